@@ -1,0 +1,114 @@
+"""Config loading, overrides and the validation that happens before anything is spawned."""
+import json
+
+import pytest
+
+from core.config import ConfigError, JobConfig, load_config, parse_override, validate
+
+pytestmark = pytest.mark.core
+
+
+def _cfg(overrides, world=None):
+    cfg = load_config(None, overrides)
+    return validate(cfg, world, check_files=False)
+
+
+def test_defaults_validate():
+    cfg = _cfg([])
+    assert cfg.parallelism.dp_shard == 1 and cfg.parallelism.world_size == 1
+
+
+def test_override_types_are_toml_literals():
+    assert parse_override("--training.steps=20") == ("training", "steps", 20)
+    assert parse_override("optimizer.lr=1e-3") == ("optimizer", "lr", 1e-3)
+    assert parse_override("compile.enabled=true") == ("compile", "enabled", True)
+    assert parse_override("model.flavor=tiny") == ("model", "flavor", "tiny")  # bare string
+    assert parse_override('float8.filter_fqns=["output","w2"]') == ("float8", "filter_fqns", ["output", "w2"])
+    # no eval: a Python expression stays a string and is then rejected by the type check
+    with pytest.raises(ConfigError, match="training.steps"):
+        _cfg(["training.steps=__import__('os').getpid()"])
+
+
+def test_dp_shard_fills_the_world():
+    cfg = _cfg(["parallelism.tp=2"], world=8)
+    assert cfg.parallelism.dp_shard == 4
+
+
+def test_file_then_overrides(tmp_path):
+    p = tmp_path / "job.toml"
+    p.write_text('[training]\nsteps = 7\nseq_len = 128\n[model]\nflavor = "tiny"\n')
+    cfg = load_config(str(p), ["--training.steps=9"])
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.model.flavor) == (9, 128, "tiny")
+    j = tmp_path / "job.json"
+    j.write_text(json.dumps(cfg.to_dict()))
+    assert load_config(str(j)).to_dict() == cfg.to_dict()
+
+
+# Each malformed config must fail with a one-line error that names the offending key.
+BAD = [
+    (["nosuch.key=1"], "nosuch"),
+    (["training.nosuch=1"], "training.nosuch"),
+    (["training.steps=ten"], "training.steps"),
+    (["training.steps=1.5"], "training.steps"),
+    (["compile.enabled=1"], "compile.enabled"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["training.steps=0"], "training.steps"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["model.flavor=9B"], "model.flavor"),
+    (["data.dataset=wikipedia"], "data.dataset"),
+    (["training.mixed_precision_param=float16"], "training.mixed_precision_param"),
+    (["parallelism.pp_schedule=Zigzag", "parallelism.pp=2", "model.flavor=tiny4"], "parallelism.pp_schedule"),
+    (["parallelism.cp_rotate_method=ring"], "parallelism.cp_rotate_method"),
+    (["activation_checkpoint.mode=some"], "activation_checkpoint.mode"),
+    (["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=0"],
+     "activation_checkpoint.selective_ac_option"),
+    (["float8.recipe=e5m2"], "float8.recipe"),
+    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"], "parallelism.tp"),
+    (["parallelism.tp=16", "model.flavor=debug", "parallelism.dp_shard=1"], "parallelism.tp"),  # 8 kv heads
+    (["parallelism.pp=4", "model.flavor=tiny", "parallelism.dp_shard=1"], "parallelism.pp"),  # 2 layers
+    (["parallelism.pp=2", "parallelism.pp_microbatches=1", "model.flavor=tiny4",
+      "parallelism.dp_shard=1"], "parallelism.pp_microbatches"),
+    (["parallelism.pp=2", "parallelism.pp_microbatches=3", "model.flavor=tiny4",
+      "parallelism.dp_shard=1", "training.local_batch_size=8"], "parallelism.pp_microbatches"),
+    (["parallelism.cp=2", "training.seq_len=250", "parallelism.dp_shard=1"], "training.seq_len"),
+    (["parallelism.tp=0"], "parallelism.tp"),
+    (["parallelism.dp_shard=0"], "parallelism.dp_shard"),
+    (["parallelism.dp_shard=2", "parallelism.world_size=8"], "parallelism"),
+    (["checkpoint.async_mode=later"], "checkpoint.async_mode"),
+    (["lr_scheduler.decay_type=step"], "lr_scheduler.decay_type"),
+    (["metrics.log_freq=0"], "metrics.log_freq"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_malformed_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        _cfg(overrides)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_world_size_mismatch_from_launcher():
+    with pytest.raises(ConfigError, match="world size 6"):
+        _cfg(["parallelism.tp=4"], world=6)
+
+
+def test_missing_files_are_named(tmp_path):
+    cfg = load_config(None, [f"data.path={tmp_path}/nope", "data.dataset=c4_offline"])
+    with pytest.raises(ConfigError, match="data.path"):
+        validate(cfg)
+    cfg = load_config(None, [f"data.path={tmp_path}", f"tokenizer.path={tmp_path}/tok.model"])
+    with pytest.raises(ConfigError, match="tokenizer.path"):
+        validate(cfg)
+    cfg = load_config(None, ["data.dataset=synthetic", f"checkpoint.resume_from={tmp_path}/ckpt"])
+    with pytest.raises(ConfigError, match="checkpoint.resume_from"):
+        validate(cfg)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps=")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(str(bad))
