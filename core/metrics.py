@@ -1,0 +1,118 @@
+"""Throughput, FLOPs, MFU, memory and loss logging.
+
+FLOPs per token (torchtitan's convention, stated in the README):
+    6 * (N - N_embedding) + 12 * L * H * (D / H) * T
+N parameters, L layers, H heads, D model dim, T sequence length. The first term is the
+forward+backward matmuls of every weight (the output projection counts as a weight), the second
+attention's score and value matmuls; causal masking is not discounted.
+MFU = FLOPs/token * tokens/s per device / peak FLOP/s of one device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from core.models.llama3 import ModelArgs, count_params
+
+# Peak dense bf16 FLOP/s per device (vendor figures).
+PEAK_FLOPS = {
+    "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12,
+    "A100": 312e12, "B200": 2.25e15, "MI300X": 1.3e15,
+}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    n = count_params(args)
+    n_emb = args.vocab_size * args.dim
+    head_dim = args.dim // args.n_heads
+    return 6 * (n - n_emb) + 12 * args.n_layers * args.n_heads * head_dim * seq_len
+
+
+def cuda_peak_flops(name: str) -> float:
+    for key in ("H100 NVL", "H100 PCIe", "H100", "H200", "A100", "B200", "MI300X"):
+        if key in name:
+            return PEAK_FLOPS["H100 SXM" if key == "H100" else key]
+    return 0.0
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
+    """Best of a few square matmuls on this process's threads: the CPU 'peak' for MFU."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> float:
+    """Measured once per machine, dtype and thread count, cached as JSON."""
+    cache = Path(cache_dir or os.environ.get("TITAN_CACHE", Path.home() / ".cache" / "titan_recipes"))
+    key = f"{dtype}-threads{torch.get_num_threads()}-{os.cpu_count()}cpu"
+    path = cache / "cpu_peak_flops.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in table:
+        table[key] = measure_cpu_peak_flops(getattr(torch, dtype))
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=2))
+        tmp.replace(path)
+    return table[key]
+
+
+def device_info() -> dict:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
+    import platform
+    return {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "peak_flops": None, "peak_source": "measured bf16 matmul"}
+
+
+def peak_memory_gib() -> float:
+    """CUDA: max reserved (what the paper reports). CPU: this process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_reserved() / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30
+
+
+class MetricsLogger:
+    """Per-step records to stdout (rank 0), a JSONL file and TensorBoard when installed."""
+
+    def __init__(self, out_dir: Path, rank: int, enable_tensorboard: bool = False):
+        self.rank = rank
+        self.jsonl = None
+        self.tb = None
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(out_dir / "metrics.jsonl", "a")
+            if enable_tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self.tb = SummaryWriter(str(out_dir / "tb"))
+                except ImportError:
+                    print("[metrics] tensorboard is not installed: logging to JSONL only", flush=True)
+
+    def log(self, step: int, values: dict) -> None:
+        if self.rank != 0:
+            return
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

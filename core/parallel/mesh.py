@@ -1,0 +1,56 @@
+"""Parallel degrees -> one DeviceMesh with named dims (pp, dp_replicate, dp_shard, cp, tp).
+
+All five dims always exist (size-1 dims are free), so every module asks for the dim it needs
+by name. Flattened views: `dp` (data loading: ranks that see different batches),
+`dp_shard_cp` (FSDP shards parameters over dp_shard x cp, as torchtitan does) and `dp_cp`
+(loss averaging and gradient reduction span every rank that sees different tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from core.config import Parallelism
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, p: Parallelism) -> "ParallelDims":
+        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.world_size)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        # CP ranks hold different tokens, so their gradients must be reduced by FSDP too.
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.cp * self.tp * self.pp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

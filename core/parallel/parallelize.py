@@ -1,0 +1,50 @@
+"""Apply every parallelism and toggle to one model (or one pipeline stage), in the order
+PyTorch's composability needs: TP/SP -> Float8 -> activation checkpointing -> per-block
+compile -> FSDP2. Each step is one small module; this file only decides which ones run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from core.config import JobConfig
+from core.parallel.mesh import ParallelDims
+
+
+@dataclass
+class Toggles:
+    """What a run applied, and why anything asked for was not (copied into the result record)."""
+    applied: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def apply(self, name: str) -> None:
+        if name not in self.applied:
+            self.applied.append(name)
+
+    def skip(self, name: str, reason: str) -> None:
+        self.skipped[name] = reason
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
+                toggles: Toggles) -> nn.Module:
+    if dims.tp > 1:
+        from core.parallel.tensor import apply_tp
+        apply_tp(model, mesh["tp"], cfg, toggles)
+    if cfg.float8.enabled:
+        from core.optim.float8 import apply_float8
+        apply_float8(model, cfg, toggles)
+    if cfg.activation_checkpoint.mode != "none":
+        from core.optim.activation_checkpoint import apply_ac
+        apply_ac(model, cfg.activation_checkpoint, toggles)
+    if cfg.compile.enabled:
+        from core.optim.compile import apply_compile
+        apply_compile(model, cfg.compile, toggles)
+    if dims.fsdp_enabled:
+        from core.parallel.fsdp import apply_fsdp, fsdp_mesh
+        t, p = cfg.training, cfg.parallelism
+        apply_fsdp(model, fsdp_mesh(mesh, dims.dp_replicate), t.mixed_precision_param,
+                   t.mixed_precision_reduce, p.fsdp_reshard_after_forward, pp_enabled=dims.pp > 1)
+        toggles.apply("hsdp" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "fsdp")
+    return model

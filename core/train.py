@@ -1,0 +1,345 @@
+"""The one training loop, the same for every layout.
+
+Launch: `torchrun --nproc_per_node N -m core.train --config job.toml [--section.key=value ...]`
+(or `python -m core.train ...` for one process). Rank 0 writes `result.json` (the result record)
+and `metrics.jsonl` in `job.output_dir`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.config import ConfigError, JobConfig, load_config, save_config, validate
+from core.metrics import (MetricsLogger, cpu_peak_flops, device_info, flops_per_token,
+                          peak_memory_gib)
+from core.models.llama3 import FLAVORS, ModelArgs, Transformer
+from core.optim.optimizer import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from core.parallel.mesh import ParallelDims, device_type
+from core.parallel.parallelize import Toggles, parallelize
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
+    import dataclasses
+    args = dataclasses.replace(FLAVORS[cfg.model.flavor])
+    if cfg.model.vocab_size:
+        args.vocab_size = cfg.model.vocab_size
+    elif vocab_size and args.vocab_size != 128256:  # proxy flavors follow their tokenizer
+        args.vocab_size = vocab_size
+    if cfg.model.rope_scaling != "default":
+        args.rope_scaling = cfg.model.rope_scaling == "on"
+    # RoPE table exactly one sequence long: context parallel shards it with the tokens.
+    args.max_seq_len = cfg.training.seq_len
+    return args
+
+
+def init_distributed(cfg: JobConfig) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "RANK" in os.environ:  # torchrun
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a single process without a launcher
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
+    try:
+        import torchao
+        out["torchao"] = torchao.__version__
+    except ImportError:
+        pass
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device(device_type(), torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.out_dir = Path(cfg.job.output_dir)
+        self.dims = ParallelDims.from_config(cfg.parallelism)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.toggles = Toggles()
+        torch.manual_seed(cfg.job.seed)
+        if cfg.job.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        self.tokenizer = None
+        if cfg.data.dataset != "synthetic":
+            from core.data.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
+        self.model_args = model_args(cfg, self.tokenizer.n_words if self.tokenizer else None)
+
+        self.model_parts, self.pp_schedule = self._build_model()
+        self.optimizer = build_optimizer(self.model_parts, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.dataloader = self._build_dataloader()
+        self.step = 0
+        self.checkpointer = None
+        if cfg.checkpoint.enabled:
+            from core.checkpoint import Checkpointer
+            self.checkpointer = Checkpointer(self)
+
+    # ------------------------------------------------------------------------------ building
+    def _build_model(self):
+        args = self.model_args
+        if self.device.type == "cpu":
+            # DTensor's RNG is CUDA-only: initialise the whole model on every rank from the same
+            # seed and let sharding distribute it, so every layout starts from identical weights.
+            model = Transformer(args)
+            model.init_weights()
+            materialized = True
+        else:
+            with torch.device("meta"):
+                model = Transformer(args)
+            materialized = False
+        schedule = None
+        if self.dims.pp > 1:
+            from core.parallel.pipeline import build_pipeline
+            schedule, parts = build_pipeline(model, self.mesh, self.dims, self.cfg, self.device,
+                                             self._loss_for_pipeline, self.toggles, parallelize)
+        else:
+            parts = [parallelize(model, self.mesh, self.dims, self.cfg, self.toggles)]
+        for part in parts:
+            if not materialized:
+                part.to_empty(device=self.device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=self.device)
+            else:
+                part.to(self.device)
+            part.train()
+        return parts, schedule
+
+    def _build_dataloader(self):
+        from core.data.datasets import build_dataloader
+        dp_mesh = self.mesh["dp"]
+        return build_dataloader(self.cfg, self.tokenizer, dp_rank=dp_mesh.get_local_rank(),
+                                dp_degree=dp_mesh.size(), vocab_size=self.model_args.vocab_size)
+
+    # ---------------------------------------------------------------------------------- step
+    def _loss_for_pipeline(self, logits, labels):
+        return cross_entropy_loss(logits, labels) / self.cfg.training.grad_accum_steps
+
+    def _context(self, inputs, labels):
+        """Context parallel shards inputs, labels and the RoPE table along the sequence."""
+        if self.dims.cp == 1:
+            return contextlib.nullcontext()
+        from core.parallel.context import cp_context
+        buffers = [inputs, labels] + [m.freqs_cis for m in self.model_parts]
+        seq_dims = [1, 1] + [0] * len(self.model_parts)
+        return cp_context(self.mesh["cp"], buffers, seq_dims, self.cfg.parallelism.cp_rotate_method)
+
+    def _loss_parallel(self):
+        if self.dims.tp > 1 and self.cfg.parallelism.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        accum = self.cfg.training.grad_accum_steps
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with self._context(inputs, labels):
+            if self.pp_schedule is not None:
+                losses: list[torch.Tensor] = []
+                stages = self.pp_schedule_stages
+                has_first = any(s.is_first for s in stages)
+                has_last = any(s.is_last for s in stages)
+                with self._loss_parallel():
+                    self.pp_schedule.step(*( [inputs] if has_first else []),
+                                          target=labels if has_last else None, losses=losses)
+                loss = torch.stack(losses).sum() if has_last else torch.zeros((), device=self.device)
+                return loss.detach()  # per-microbatch losses were already divided by accum
+            model = self.model_parts[0]
+            with self._loss_parallel():
+                logits = model(inputs)
+                loss = cross_entropy_loss(logits, labels) / accum
+                del logits
+                loss.backward()
+        return loss.detach()
+
+    @property
+    def pp_schedule_stages(self):
+        s = self.pp_schedule
+        return s._stages if hasattr(s, "_stages") else [s._stage]
+
+    def train_step(self, batches) -> tuple[float, float]:
+        self.optimizer.zero_grad()
+        loss = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            loss += self.forward_backward(inputs, labels)
+        if self.pp_schedule is not None:
+            n_micro = self.pp_schedule._n_microbatches
+            loss = loss / n_micro
+            # exactly one pp rank holds the last stage: summing over pp broadcasts its loss
+            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
+        params = [p for m in self.model_parts for p in m.parameters()]
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        # the loss of the global batch: every dp x cp rank saw an equal share of its tokens
+        dp_cp = self.mesh["dp_cp"]
+        if dp_cp.size() > 1:
+            dist.all_reduce(loss, group=dp_cp.get_group())
+            loss = loss / dp_cp.size()
+        return loss.item(), float(grad_norm)
+
+    # ---------------------------------------------------------------------------------- loop
+    def train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.training
+        logger = MetricsLogger(self.out_dir, self.rank, cfg.metrics.enable_tensorboard)
+        if self.checkpointer:
+            self.checkpointer.load()
+        data_iter = iter(self.dataloader)
+        tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
+        fpt = flops_per_token(self.model_args, t.seq_len)
+        peak = cfg.metrics.peak_flops or device_info()["peak_flops"] or \
+            cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
+        losses, grad_norms, step_times = [], [], []
+        progress = None
+        if self.rank == 0 and cfg.metrics.progress:
+            from tqdm import tqdm
+            progress = tqdm(total=t.steps, initial=self.step, desc=cfg.job.name, unit="step",
+                            file=sys.stderr, dynamic_ncols=True)
+        wall0 = time.perf_counter()
+        while self.step < t.steps:
+            self.step += 1
+            batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss, gnorm = self.train_step(batches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if not (loss == loss and abs(loss) != float("inf")):
+                raise FloatingPointError(f"step {self.step}: loss is {loss}; stopping "
+                                         "(the last complete checkpoint is kept)")
+            losses.append(loss)
+            grad_norms.append(gnorm)
+            step_times.append(dt)
+            tps = tokens_per_step / self.world_size / dt
+            if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+                logger.log(self.step, {"loss": loss, "grad_norm": gnorm, "lr": self.lr_scheduler.get_last_lr()[0],
+                                       "step_time_s": dt, "tokens_per_sec_per_device": tps,
+                                       "mfu": fpt * tps / peak, "memory_gib": peak_memory_gib()})
+            if progress:
+                progress.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
+                progress.update(1)
+            if self.checkpointer:
+                self.checkpointer.maybe_save(self.step)
+        wall = time.perf_counter() - wall0
+        if progress:
+            progress.close()
+        if self.checkpointer:
+            self.checkpointer.close()
+        logger.close()
+        return self._record(losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak)
+
+    def _record(self, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak) -> dict:
+        # Steady state: the first step pays for lazy init and compilation.
+        steady = step_times[1:] or step_times
+        mean_step = sum(steady) / len(steady) if steady else float("nan")
+        tps = tokens_per_step / self.world_size / mean_step
+        mem = [None] * self.world_size
+        dist.all_gather_object(mem, peak_memory_gib())
+        info = device_info()
+        return {
+            "recipe": self.cfg.job.recipe,
+            "mode": self.cfg.job.mode,
+            "config": self.cfg.to_dict(),
+            "versions": versions(),
+            "hardware": {"device": info["device"], "world_size": self.world_size,
+                         "peak_flops": peak, "peak_source": info["peak_source"]},
+            "world_size": self.world_size,
+            "model": {"flavor": self.cfg.model.flavor, "params": sum(
+                p.numel() for m in self.model_parts for p in m.parameters()) if self.dims.pp == 1 else None,
+                "vocab_size": self.model_args.vocab_size},
+            "toggles_applied": self.toggles.applied,
+            "toggles_skipped": self.toggles.skipped,
+            "steps": len(losses),
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "step_times_s": step_times,
+            "tokens_per_sec_per_device": tps,
+            "flops_per_token": fpt,
+            "tflops_per_device": fpt * tps / 1e12,
+            "mfu": fpt * tps / peak,
+            "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
+            "peak_memory_gib": max(mem),
+            "peak_memory_gib_per_rank": mem,
+            "memory_kind": "cuda max reserved" if self.device.type == "cuda" else "cpu peak RSS",
+            "wall_s": wall,
+            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="job config (.toml or .json)")
+    known, overrides = parser.parse_known_args(argv)
+    return load_config(known.config, overrides)
+
+
+def run(cfg: JobConfig) -> dict:
+    """Train with an already validated config inside an initialised process group."""
+    trainer = Trainer(cfg)
+    record = trainer.train()
+    if trainer.rank == 0:
+        out = Path(cfg.job.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "result.json.tmp"
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(out / "result.json")
+        save_config(cfg, out / "config.json")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    init_distributed(cfg)
+    try:
+        run(cfg)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
