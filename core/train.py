@@ -160,6 +160,12 @@ class Trainer:
         seq_dims = [1, 1] + [0] * len(self.model_parts)
         return cp_context(self.mesh["cp"], buffers, seq_dims, self.cfg.parallelism.cp_rotate_method)
 
+    def _autocast(self):
+        """Without FSDP nothing casts parameters for compute: bf16 runs under autocast."""
+        bf16 = self.cfg.training.mixed_precision_param == "bfloat16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=bf16 and not self.dims.fsdp_enabled)
+
     def _loss_parallel(self):
         if self.dims.tp > 1 and self.cfg.parallelism.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -182,11 +188,32 @@ class Trainer:
                 return loss.detach()  # per-microbatch losses were already divided by accum
             model = self.model_parts[0]
             with self._loss_parallel():
-                logits = model(inputs)
+                with self._autocast():
+                    logits = model(inputs)
                 loss = cross_entropy_loss(logits, labels) / accum
                 del logits
                 loss.backward()
         return loss.detach()
+
+    def _local_state_bytes(self) -> dict:
+        """Bytes this rank holds of parameters and optimizer state (its shards only)."""
+        params = sum(_local_bytes(p) for m in self.model_parts for p in m.parameters())
+        optim = sum(_local_bytes(v) for state in self.optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "optimizer": optim}
+
+    def _pp_record(self) -> dict:
+        """The schedule's ideal bubble (from its own action table; hardware independent)."""
+        if self.pp_schedule is None:
+            return {}
+        from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
+        p = self.cfg.parallelism
+        spr = len(self.pp_schedule_stages)
+        return {"pp_schedule": p.pp_schedule, "pp_microbatches": self.pp_schedule._n_microbatches,
+                "pp_stages_per_rank": spr,
+                "pp_bubble_fraction": bubble_fraction(p.pp_schedule, self.dims.pp,
+                                                      self.pp_schedule._n_microbatches, spr),
+                "pp_bubble_costs": DEFAULT_COSTS}
 
     @property
     def pp_schedule_stages(self):
@@ -197,7 +224,10 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            loss += self.forward_backward(inputs, labels)
+            micro_loss = self.forward_backward(inputs, labels)
+            if hasattr(micro_loss, "full_tensor"):  # loss parallel: a replicated DTensor
+                micro_loss = micro_loss.full_tensor()
+            loss += micro_loss
         if self.pp_schedule is not None:
             n_micro = self.pp_schedule._n_microbatches
             loss = loss / n_micro
@@ -274,6 +304,8 @@ class Trainer:
         tps = tokens_per_step / self.world_size / mean_step
         mem = [None] * self.world_size
         dist.all_gather_object(mem, peak_memory_gib())
+        state_bytes = [None] * self.world_size
+        dist.all_gather_object(state_bytes, self._local_state_bytes())
         info = device_info()
         return {
             "recipe": self.cfg.job.recipe,
@@ -288,6 +320,7 @@ class Trainer:
                 "vocab_size": self.model_args.vocab_size},
             "toggles_applied": self.toggles.applied,
             "toggles_skipped": self.toggles.skipped,
+            **self._pp_record(),
             "steps": len(losses),
             "losses": losses,
             "grad_norms": grad_norms,
@@ -300,9 +333,17 @@ class Trainer:
             "peak_memory_gib": max(mem),
             "peak_memory_gib_per_rank": mem,
             "memory_kind": "cuda max reserved" if self.device.type == "cuda" else "cpu peak RSS",
+            "param_bytes_per_rank": [b["params"] for b in state_bytes],
+            "optimizer_bytes_per_rank": [b["optimizer"] for b in state_bytes],
             "wall_s": wall,
             "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -332,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ and cfg.parallelism.world_size > 1:
+        print(f"config error: parallelism: a world of {cfg.parallelism.world_size} ranks needs torchrun "
+              f"(--nproc_per_node={cfg.parallelism.world_size}) or `run-recipe run`", file=sys.stderr)
         return 2
     init_distributed(cfg)
     try:

@@ -1,0 +1,68 @@
+"""The single-process reference: a bare PyTorch loop with no parallelism at all.
+
+It is the ground truth of loss parity (every N-D layout is compared with it directly, on the
+same weights, global batch and token order) and the baseline of the trainer's overhead
+benchmark. It shares only the model, the data loader and the LR shape with the trainer.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from core.config import JobConfig
+from core.models.llama3 import Transformer
+from core.optim.optimizer import lr_factor
+
+
+def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,
+                  batches=None) -> dict:
+    """Train cfg's model in this process on the global batch of cfg's layout.
+
+    `batches`: an iterable of (inputs, labels) global batches; by default the trainer's data
+    loader at dp degree 1 with local batch = dp x local batch (the same global batch).
+    Returns {"losses", "step_times_s", "tokens_per_step"}.
+    """
+    from core.train import model_args  # the same ModelArgs resolution as the trainer
+    t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    steps = steps or t.steps
+    dp = cfg.parallelism.dp_replicate * max(cfg.parallelism.dp_shard, 1)
+    torch.manual_seed(cfg.job.seed)
+    tokenizer = None
+    if cfg.data.dataset != "synthetic":
+        from core.data.tokenizer import Tokenizer
+        tokenizer = Tokenizer(cfg.tokenizer.path)
+    args = model_args(cfg, tokenizer.n_words if tokenizer else vocab_size)
+    model = Transformer(args)
+    model.init_weights()
+    if batches is None:
+        from core.data.datasets import build_dataloader
+        batches = build_dataloader(cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size,
+                                   local_batch_size=t.local_batch_size * dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.mixed_precision_param == "bfloat16")
+    losses, times = [], []
+    it = iter(batches)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(t.grad_accum_steps):
+            inputs, labels = next(it)
+            with autocast:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / t.grad_accum_steps
+            loss.backward()
+            total += loss.item()
+        if t.max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+        opt.step()
+        sched.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(total)
+    return {"losses": losses, "step_times_s": times,
+            "tokens_per_step": t.local_batch_size * dp * t.seq_len * t.grad_accum_steps}
