@@ -1,0 +1,320 @@
+"""`run-recipe`: list, show, run the paper's recipe rows, and regenerate the results tables.
+
+Exit codes: 0 ok; 1 a launched run failed; 2 a bad id, option or configuration (nothing was
+spawned); 3 the mode cannot run on this machine or in this build (nothing was spawned).
+
+Adding a subcommand from another module (e.g. `recipes/bench.py` defining a click command
+`bench`): add one line to EXTENSIONS below; the module is imported only when its command is
+used or listed. `main.add_command(cmd)` works too for code that imports this module.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from recipes import registry
+from recipes.schema import MODES, TABLES, RecipeError
+
+# name -> "module:attribute" of a click command, imported lazily.
+EXTENSIONS: dict[str, str] = {
+    "bench": "recipes.bench:bench",
+    "parity": "recipes.parity:parity",
+}
+
+EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
+
+
+class RecipeGroup(click.Group):
+    """A click group that also serves the lazily imported EXTENSIONS commands."""
+
+    def list_commands(self, ctx):
+        present = {name for name, target in EXTENSIONS.items()
+                   if importlib.util.find_spec(target.split(":")[0]) is not None}
+        return sorted(set(super().list_commands(ctx)) | present)
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is None and name in EXTENSIONS:
+            module, attr = EXTENSIONS[name].split(":")
+            cmd = getattr(importlib.import_module(module), attr)
+        return cmd
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(message, err=True)
+    sys.exit(code)
+
+
+def _select(ids, table) -> list:
+    try:
+        chosen = registry.select(list(ids), table)
+    except RecipeError as e:
+        _fail(f"error: {e}", EXIT_CONFIG)
+    if not chosen:
+        _fail("error: name at least one recipe id (or --table); see `run-recipe list --ids`", EXIT_CONFIG)
+    return chosen
+
+
+@click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Titan Recipes: the TorchTitan paper's tables as runnable recipe rows.
+
+    Modes: real (the paper's exact configuration on GPUs), proxy (the same layout scaled to a
+    CPU), dry-run (true-scale memory estimate without GPUs).
+    """
+
+
+# --------------------------------------------------------------------------------- list
+@main.command("list")
+@click.option("--ids", is_flag=True, help="Only the ids, one per line.")
+@click.option("--table", type=click.Choice(TABLES), help="Only the rows of one table.")
+def list_cmd(ids, table):
+    """The recipe rows: id, table, row, paper GPUs, proxy world size, modes runnable here."""
+    recipes = registry.by_table(table) if table else registry.all_recipes()
+    if ids:
+        for r in recipes:
+            click.echo(r.id)
+        return
+    from tabulate import tabulate
+    from recipes import launcher
+    dry = launcher.dry_run_available()
+    gpus = _visible_gpus()
+    rows = []
+    for r in recipes:
+        modes = []
+        nodes = r.nnodes()
+        if nodes > 1:
+            modes.append(f"real ({nodes} nodes: --slurm)")
+        elif gpus >= r.gpus:
+            modes.append("real")
+        modes.append("proxy")
+        if dry:
+            modes.append("dry-run")
+        rows.append([r.id, r.table, r.row, r.gpus, r.world("proxy"), ", ".join(modes)])
+    click.echo(tabulate(rows, headers=["id", "table", "row", "GPUs", "proxy world", "modes here"]))
+    if not dry:
+        click.echo("\n(dry-run is not available in this build: core.estimate is missing)")
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - listing must work whatever the torch build
+        return 0
+
+
+# --------------------------------------------------------------------------------- show
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@main.command("show")
+@click.argument("recipe_id")
+@click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
+def show_cmd(recipe_id, as_json):
+    """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
+    from tabulate import tabulate
+    from core.config import ConfigError, JobConfig
+    from recipes import launcher
+    try:
+        r = registry.get(recipe_id)
+        cfgs = {m: launcher.resolve_config(r, m) for m in ("real", "proxy")}
+    except (RecipeError, ConfigError) as e:
+        _fail(f"error: {e}", EXIT_CONFIG)
+    hard, advisory = launcher.real_requirements(r, cfgs["real"])
+    if as_json:
+        click.echo(json.dumps({
+            "id": r.id, "title": r.title, "table": r.table, "row": r.row, "order": r.order,
+            "techniques": list(r.techniques), "baseline": r.baseline, "source": r.source,
+            "paper": {"gpus": r.gpus, "gpus_per_node": r.gpus_per_node, "nodes": r.nnodes(),
+                      "config": cfgs["real"].to_dict()},
+            "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
+            "reference": r.reference,
+            "requires": {"real": hard, "advisory": advisory, "proxy": list(r.requires.get("proxy", ["cpu"])),
+                         "dry-run": ["core.estimate"]},
+        }, indent=2))
+        return
+    defaults = _flat(JobConfig().to_dict())
+    paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
+    skip = ("job.", "tokenizer.path", "data.path")
+    rows = [[k, _short(paper[k]), _short(proxy[k])] for k in paper
+            if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)]
+    rows += [[k, _rel(paper[k]), _rel(proxy[k])] for k in ("tokenizer.path", "data.path")]
+    click.echo(f"{r.id} — {r.title}")
+    click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
+    if r.baseline:
+        click.echo(f"baseline: {r.baseline}")
+    click.echo(f"file: {r.source}")
+    if r.notes:
+        click.echo(f"notes: {r.notes}")
+    click.echo(f"\npaper: {r.gpus} GPUs = {r.nnodes()} node(s) x {min(r.gpus, r.gpus_per_node)}"
+               f"    proxy: world {cfgs['proxy'].parallelism.world_size}\n")
+    click.echo("configuration (keys that differ from the JobConfig defaults)")
+    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy"], disable_numparse=True))
+    click.echo("\nreference figures")
+    click.echo(tabulate([[k, v] for k, v in r.reference.items()] or [["(none)", ""]],
+                        headers=["key", "value"], disable_numparse=True))
+    click.echo("\nmodes")
+    report = launcher.check_hardware(r, cfgs["real"]) if r.nnodes() == 1 else None
+    here = ("runs here" if report and report.ok else
+            f"not here: {'; '.join(report.missing)}" if report else
+            f"{r.nnodes()} nodes: prints the torchrun command, or --slurm writes an sbatch script")
+    click.echo(f"  real:    needs {', '.join(hard)}"
+               + (f"; advisory {', '.join(advisory)}" if advisory else "") + f"  [{here}]")
+    click.echo(f"  proxy:   needs {', '.join(r.requires.get('proxy', ['cpu']))}, world "
+               f"{cfgs['proxy'].parallelism.world_size} processes, offline assets "
+               f"(python -m core.data.assets --all)")
+    click.echo(f"  dry-run: needs core.estimate  "
+               f"[{'available' if launcher.dry_run_available() else 'not available in this build'}]")
+
+
+def _short(v) -> str:
+    s = json.dumps(v) if isinstance(v, (list, bool)) else str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _rel(v) -> str:
+    from recipes.launcher import project_root
+    try:
+        return str(Path(v).relative_to(project_root()))
+    except ValueError:
+        return str(v)
+
+
+# ---------------------------------------------------------------------------------- run
+@main.command("run")
+@click.argument("ids", nargs=-1)
+@click.option("--table", type=click.Choice(TABLES), help="Run every row of a table (with any ids).")
+@click.option("--mode", type=click.Choice(MODES), default="proxy", show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a config key (TOML literal), applied after the recipe; repeatable.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Run directory (DIR/<id__> when several rows run). Default: "
+                   "runs/<id__>/<timestamp>. With --out the record stays in DIR only, unless "
+                   "--records-dir is given too.")
+@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
+              help="Where records are copied as <mode>/<id__>.json (default: results/records, "
+                   "or none with --out).")
+@click.option("--slurm", is_flag=True, help="real mode: write an sbatch script to the run dir instead of running.")
+@click.option("--sbatch", "sbatch_opts", multiple=True, metavar="OPTION",
+              help="Extra #SBATCH option for --slurm, e.g. --sbatch partition=h100; repeatable.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="torchrun restarts the group this often after a rank dies; the run resumes "
+                   "from its latest complete checkpoint (set checkpoint.enabled=true).")
+def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts):
+    """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
+    multi-node launch)."""
+    from core.config import ConfigError, validate
+    from recipes import launcher
+
+    recipes = _select(ids, table)
+    if slurm and mode != "real":
+        _fail("error: --slurm is for --mode real", EXIT_CONFIG)
+    records = Path(records_dir) if records_dir else (None if out else launcher.default_records_dir())
+
+    # 1. every check that needs no process, for every row, before anything is spawned
+    plans = []
+    for r in recipes:
+        try:
+            cfg = launcher.resolve_config(r, mode, overrides, check_files=(mode == "proxy"))
+        except ConfigError as e:
+            _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
+        world = cfg.parallelism.world_size
+        nnodes = r.nnodes(world)
+        if mode == "real" and nnodes > 1 and world % r.gpus_per_node:
+            _fail(f"config error: {r.id}: parallelism: world size {world} spans {nnodes} nodes "
+                  f"but is not a multiple of {r.gpus_per_node} GPUs per node", EXIT_CONFIG)
+        if mode == "real" and nnodes == 1 and not slurm:
+            report = launcher.check_hardware(r, cfg)
+            if not report.ok:
+                _fail(f"error: {r.id}: real mode cannot run on this machine:\n"
+                      + "".join(f"  - missing {m}\n" for m in report.missing)
+                      + "try --mode proxy (the same layout on CPU), --mode dry-run (true-scale "
+                        "memory estimate), or --slurm (an sbatch script for a GPU cluster)",
+                      EXIT_CANNOT)
+            for note in report.notes:
+                click.echo(f"note: {r.id}: {note}", err=True)
+            try:
+                validate(cfg, check_files=True)
+            except ConfigError as e:
+                _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
+        plans.append((r, cfg, world, nnodes))
+    if mode == "dry-run" and not launcher.dry_run_available():
+        _fail("error: dry-run is not available in this build (core.estimate is missing); "
+              "use --mode proxy", EXIT_CANNOT)
+
+    # 2. run, print or write each
+    several = len(plans) > 1
+    failed = []
+    for r, cfg, world, nnodes in plans:
+        run_dir = launcher.make_run_dir(r, out, several)
+        job = launcher.write_job(cfg, run_dir)
+        click.echo(f"== {r.id} · {mode} · world {world}"
+                   + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
+                   + f" · {run_dir}")
+        if mode == "dry-run":
+            try:
+                launcher.run_dry(cfg, run_dir)
+            except launcher.CannotRunHere as e:
+                _fail(f"error: {e}", EXIT_CANNOT)
+            dest = launcher.copy_record(run_dir / "result.json", records, mode, r)
+            click.echo(f"record: {run_dir / 'result.json'}" + (f" -> {dest}" if dest else ""))
+            continue
+        if mode == "real" and (slurm or nnodes > 1):
+            nproc = min(world, r.gpus_per_node)
+            if slurm:
+                script = run_dir / "sbatch.sh"
+                script.write_text(launcher.sbatch_script(r, cfg, run_dir, nnodes, nproc, records,
+                                                         sbatch_opts))
+                script.chmod(0o755)
+                click.echo(f"sbatch script: {script}\nsubmit with: sbatch {script}")
+            else:
+                click.echo(f"{r.id} needs {nnodes} nodes x {nproc} GPUs. On every node, with HOST the "
+                           "first node's address:\n")
+                click.echo("  " + launcher.multinode_command(nnodes, nproc, job, r.fname) + "\n")
+                click.echo("or let run-recipe write an sbatch script: add --slurm")
+            continue
+        cmd = launcher.local_command(world, job, max_restarts)
+        (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+        click.echo("$ " + " ".join(cmd))
+        rc = launcher.stream(cmd, launcher.launch_env(mode, world), run_dir / "train.log")
+        result = run_dir / "result.json"
+        if rc != 0 or not result.is_file():
+            click.echo(f"FAILED: {r.id} (exit {rc}); log: {run_dir / 'train.log'}", err=True)
+            failed.append(r.id)
+            continue
+        dest = launcher.copy_record(result, records, mode, r)
+        click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
+    if failed:
+        _fail(f"{len(failed)} of {len(plans)} runs failed: {', '.join(failed)}", EXIT_FAILED)
+
+
+# ------------------------------------------------------------------------------ results
+@main.command("results")
+@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
+              help="Records to read (default: results/records).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where the tables go (default: results/).")
+def results_cmd(records_dir, out_dir):
+    """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
+    from recipes import launcher, results
+    records = Path(records_dir) if records_dir else launcher.default_records_dir()
+    out = Path(out_dir) if out_dir else launcher.project_root() / "results"
+    for path in results.write_results(records, out):
+        click.echo(str(path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Turns a recipe row into a run: resolve + validate the JobConfig, check the machine, then launch
+with torchrun (one node), print the multi-node torchrun command, or write an sbatch script.
+
+Nothing here trains: every run is `python -m torch.distributed.run ... -m core.train --config
+<run_dir>/job.json`, and the trainer writes `<run_dir>/result.json` (the record).
+"""
+from __future__ import annotations
+
+import codecs
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.config import JobConfig, apply_dict, parse_override, save_config, validate
+from recipes.schema import Recipe
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+RDZV_PORT = 29500
+
+
+def project_root() -> Path:
+    """The source checkout holding the recipes (editable install), else the working directory."""
+    return PACKAGE_ROOT if (PACKAGE_ROOT / "pyproject.toml").is_file() else Path.cwd()
+
+
+def default_runs_dir() -> Path:
+    return project_root() / "runs"
+
+
+def default_records_dir() -> Path:
+    return project_root() / "results" / "records"
+
+
+class CannotRunHere(RuntimeError):
+    """The mode cannot run on this machine / in this build (exit code 3)."""
+
+
+# ------------------------------------------------------------------------------- configs
+def _resolve_paths(cfg: JobConfig) -> None:
+    """Relative asset paths: as given if they exist from the working directory, else under the
+    project root (where `python -m core.data.assets --all` puts `assets/`)."""
+    for obj, key in ((cfg.tokenizer, "path"), (cfg.data, "path"), (cfg.checkpoint, "resume_from")):
+        value = getattr(obj, key)
+        if value and not os.path.isabs(value):
+            p = Path(value)
+            setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
+
+
+def resolve_config(recipe: Recipe, mode: str, overrides: list[str] | tuple[str, ...] = (),
+                   check_files: bool = False) -> JobConfig:
+    """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key)."""
+    cfg = recipe.job_config(mode)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        apply_dict(cfg, {section: {key: value}}, "--set")
+    _resolve_paths(cfg)
+    validate(cfg, check_files=check_files)
+    return cfg
+
+
+# ------------------------------------------------------------------------------- hardware
+@dataclass
+class HardwareReport:
+    missing: list[str]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+
+def _sm(token: str) -> tuple[int, int] | None:
+    if token.startswith("sm") and token[2:].isdigit() and len(token) >= 4:
+        return int(token[2:-1]), int(token[-1])
+    return None
+
+
+def real_requirements(recipe: Recipe, cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(hard, advisory) requirements of a real run of cfg: the recipe's list plus what the config
+    itself implies (GPU count, sm89 for Float8, sm90 + NVSwitch for AsyncTP)."""
+    world = cfg.parallelism.world_size
+    hard = [t for t in recipe.requires.get("real", ()) if not t.startswith("cuda>=")]
+    hard.insert(0, f"cuda>={world}")
+    if cfg.float8.enabled and not cfg.float8.emulate and "sm89" not in hard:
+        hard.append("sm89")
+    advisory = list(recipe.requires.get("advisory", ()))
+    if cfg.parallelism.enable_async_tp and cfg.parallelism.tp > 1:
+        advisory += [t for t in ("sm90", "nvswitch") if t not in advisory]
+    return hard, advisory
+
+
+def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
+    """Can this node run cfg for real, single-node? Lists what is missing, never guesses."""
+    import torch
+    hard, advisory = real_requirements(recipe, cfg)
+    world = cfg.parallelism.world_size
+    missing: list[str] = []
+    notes: list[str] = []
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        missing.append(f"CUDA: not available (torch {torch.__version__} is {build}; no GPU visible); "
+                       f"needs {world} GPUs")
+        caps = []
+    else:
+        n = torch.cuda.device_count()
+        if n < world:
+            missing.append(f"GPUs: {world} needed on this node, {n} visible")
+        caps = [torch.cuda.get_device_capability(i) for i in range(n)]
+    for token in hard:
+        need = _sm(token)
+        if need and caps and min(caps) < need:
+            have = "sm%d%d" % min(caps)
+            missing.append(f"compute capability {token} (Float8 matmuls): this node has {have}")
+    for token in advisory:
+        need = _sm(token)
+        if need:
+            have = ("sm%d%d" % min(caps)) if caps else "no GPU"
+            if not caps or min(caps) < need:
+                notes.append(f"AsyncTP wants {token} (symmetric memory); this node: {have}")
+        elif token == "nvswitch":
+            notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
+    return HardwareReport(missing, notes)
+
+
+def dry_run_available() -> bool:
+    try:
+        return importlib.util.find_spec("core.estimate") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# -------------------------------------------------------------------------------- commands
+def torchrun_exe() -> str:
+    exe = Path(sys.executable).with_name("torchrun")
+    return str(exe) if exe.is_file() else "torchrun"
+
+
+def local_command(world: int, config_path: Path, max_restarts: int = 0) -> list[str]:
+    # --max-restarts: torchrun's agent restarts the whole group when a rank dies; the trainer
+    # resumes from its latest complete checkpoint (checkpoint.enabled)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc_per_node={world}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
+            "-m", "core.train", "--config", str(config_path)]
+
+
+def multinode_command(nnodes: int, nproc: int, config_path: Path, rdzv_id: str,
+                      endpoint: str = f"$HOST:{RDZV_PORT}") -> str:
+    """The command to run on every node; HOST is the first node's address."""
+    return (f"torchrun --nnodes={nnodes} --nproc_per_node={nproc} --rdzv_id={rdzv_id} "
+            f"--rdzv_backend=c10d --rdzv_endpoint={endpoint} "
+            f"-m core.train --config {shlex.quote(str(config_path))}")
+
+
+def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, nproc: int,
+                  records_dir: Path | None, extra: list[str] | tuple[str, ...] = ()) -> str:
+    q = shlex.quote
+    lines = [
+        "#!/bin/bash",
+        f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
+        f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node.",
+        f"#SBATCH --job-name={recipe.fname}",
+        f"#SBATCH --nodes={nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={nproc}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        *[f"#SBATCH {opt if opt.startswith('--') else '--' + opt}" for opt in extra],
+        "",
+        "set -euo pipefail",
+        f"cd {q(str(project_root()))}",
+        f"export PYTHONPATH={q(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"srun --nodes={nnodes} --ntasks-per-node=1 {q(torchrun_exe())} \\",
+        f"    --nnodes={nnodes} --nproc_per_node={nproc} \\",
+        f'    --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:{RDZV_PORT}" \\',
+        f"    -m core.train --config {q(str(run_dir / 'job.json'))}",
+    ]
+    if records_dir is not None:
+        dest = records_dir / "real" / f"{recipe.fname}.json"
+        lines += [f"mkdir -p {q(str(dest.parent))}",
+                  f"cp {q(str(run_dir / 'result.json'))} {q(str(dest))}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- run dirs
+def make_run_dir(recipe: Recipe, out: str | Path | None, several: bool) -> Path:
+    """--out DIR: DIR itself (DIR/<id__> when several recipes run); else runs/<id__>/<timestamp>."""
+    if out:
+        d = Path(out) / recipe.fname if several else Path(out)
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        d = default_runs_dir() / recipe.fname / stamp
+        n = 1
+        while d.exists():
+            d = d.with_name(f"{stamp}-{n}")
+            n += 1
+    d = d.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_job(cfg: JobConfig, run_dir: Path) -> Path:
+    cfg.job.output_dir = str(run_dir)
+    path = run_dir / "job.json"
+    save_config(cfg, path)
+    return path
+
+
+def copy_record(result: Path, records_dir: Path | None, mode: str, recipe: Recipe) -> Path | None:
+    if records_dir is None:
+        return None
+    dest = Path(records_dir) / mode / f"{recipe.fname}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".json.tmp")
+    shutil.copyfile(result, tmp)
+    tmp.replace(dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------ launching
+def launch_env(mode: str, world: int) -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(project_root())
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if mode == "proxy":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # proxies run on CPU + gloo, whatever the node has
+    if mode == "proxy" and world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def stream(cmd: list[str], env: dict[str, str], log_path: Path, out=None) -> int:
+    """Run cmd, copying its merged stdout/stderr to `out` (default sys.stdout) and log_path as it
+    comes (chunks, so progress bars are not held back until a newline)."""
+    out = out or sys.stdout
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            fd = proc.stdout.fileno()
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                log.write(chunk)
+                out.write(decoder.decode(chunk))
+                out.flush()
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        finally:
+            proc.stdout.close()
+
+
+def run_dry(cfg: JobConfig, run_dir: Path) -> dict:
+    """core.estimate.dry_run at true scale; the record it returns, completed with our fields."""
+    if not dry_run_available():
+        raise CannotRunHere("dry-run is not available in this build (core.estimate is missing)")
+    from core.estimate import dry_run
+    cfg.job.output_dir = str(run_dir)
+    record = dict(dry_run(cfg))
+    record.setdefault("recipe", cfg.job.recipe)
+    record.setdefault("mode", "dry-run")
+    record.setdefault("config", cfg.to_dict())
+    record.setdefault("finished_at",
+                      datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    (run_dir / "result.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def launch_trainer(world: int, overrides: list[str], out_dir: str | Path, config: str | Path | None = None,
+                   mode: str = "proxy", echo: bool = False, max_restarts: int = 0) -> dict:
+    """Programmatic launch (benchmarks, tests): torchrun `world` CPU ranks of core.train with
+    `--section.key=value` overrides, output in out_dir; returns the record (result.json).
+    Raises RuntimeError with the log's tail when the run fails."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc_per_node={world}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
+           "-m", "core.train"]
+    if config:
+        cmd += ["--config", str(config)]
+    cmd += [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"]
+    log = out_dir / "train.log"
+    if echo:
+        rc = stream(cmd, launch_env(mode, world), log)
+    else:
+        with open(log, "wb") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=launch_env(mode, world)).returncode
+    result = out_dir / "result.json"
+    if rc != 0 or not result.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{tail}")
+    return json.loads(result.read_text())

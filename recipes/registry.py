@@ -1,0 +1,153 @@
+"""Discovers the recipe rows: every `<package>/<table>/<name>.toml` of the four recipe packages.
+
+Merge order of one row (later wins; tables merge key by key, lists and values replace):
+
+    recipes/defaults.toml              suite-wide (data set, tokenizer, mixed precision, proxy basics)
+    <package>/defaults.toml            the model's shared setup
+    <package>/<table>/defaults.toml    the table's shared setup
+    <package>/<table>/<name>.toml      the row
+
+Every layer may hold `[paper]`, `[paper.config.*]`, `[proxy.config.*]`, `[requires]`,
+`[reference]`; `id`, `title`, `row` belong to the row file only. Files are read through
+importlib.resources, so an installed wheel works like the source tree.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import tomllib
+from importlib import resources
+
+from recipes.schema import (REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError, deep_merge)
+
+PACKAGES = ("llama3_8b", "llama3_70b", "llama3_405b", "long_context")
+DEFAULTS = "defaults.toml"
+ROW_ONLY = ("id", "title", "row", "order")
+
+
+def _read(trav, where: str) -> dict:
+    try:
+        return tomllib.loads(trav.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{where}: cannot parse: {e}") from None
+
+
+def _defaults(trav, where: str) -> dict:
+    if not trav.is_file():
+        return {}
+    data = _read(trav, where)
+    bad = [k for k in ROW_ONLY if k in data]
+    if bad:
+        raise RecipeError(f"{where}: {', '.join(bad)} belong in row files, not in defaults")
+    return data
+
+
+def _build(data: dict, where: str) -> Recipe:
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise RecipeError(f"{where}: unknown keys {sorted(unknown)} (valid: {sorted(TOP_KEYS)})")
+    for key in ("id", "title", "table", "row", "techniques"):
+        if key not in data:
+            raise RecipeError(f"{where}: missing {key!r}")
+    if data["table"] not in TABLES:
+        raise RecipeError(f"{where}: table {data['table']!r} is not one of: {', '.join(TABLES)}")
+    paper, proxy = data.get("paper", {}), data.get("proxy", {})
+    if set(paper) - {"gpus", "gpus_per_node", "config"}:
+        raise RecipeError(f"{where}: [paper] takes gpus, gpus_per_node, config")
+    if set(proxy) - {"config"}:
+        raise RecipeError(f"{where}: [proxy] takes config only")
+    for key in ("gpus", "gpus_per_node"):
+        if not isinstance(paper.get(key), int) or paper[key] < 1:
+            raise RecipeError(f"{where}: paper.{key} must be a positive integer")
+    reference = data.get("reference", {})
+    if set(reference) - set(REFERENCE_KEYS):
+        raise RecipeError(f"{where}: unknown reference keys {sorted(set(reference) - set(REFERENCE_KEYS))}")
+    requires = {k: tuple(v) for k, v in data.get("requires", {}).items()}
+    recipe = Recipe(
+        id=data["id"], title=data["title"], table=data["table"], row=data["row"],
+        techniques=tuple(data["techniques"]), gpus=paper["gpus"], gpus_per_node=paper["gpus_per_node"],
+        paper_config=paper.get("config", {}), proxy_config=proxy.get("config", {}),
+        reference=reference, requires=requires, baseline=data.get("baseline"),
+        notes=data.get("notes", ""), order=data.get("order", 0), source=where)
+    if recipe.world("real") != recipe.gpus:
+        raise RecipeError(f"{where}: paper degrees {recipe.degrees('real')} multiply to "
+                          f"{recipe.world('real')}, not paper.gpus = {recipe.gpus}")
+    return recipe
+
+
+@functools.cache
+def _load() -> dict[str, Recipe]:
+    suite = _defaults(resources.files("recipes") / DEFAULTS, "recipes/defaults.toml")
+    found: dict[str, Recipe] = {}
+    for pkg in PACKAGES:
+        root = resources.files(pkg)
+        pkg_defaults = deep_merge(suite, _defaults(root / DEFAULTS, f"{pkg}/{DEFAULTS}"))
+        for table_dir in sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name):
+            if table_dir.name.startswith(("_", ".")):
+                continue
+            table_defaults = deep_merge(
+                pkg_defaults, _defaults(table_dir / DEFAULTS, f"{pkg}/{table_dir.name}/{DEFAULTS}"))
+            for f in sorted(table_dir.iterdir(), key=lambda f: f.name):
+                if not f.is_file() or not f.name.endswith(".toml") or f.name == DEFAULTS:
+                    continue
+                where = f"{pkg}/{table_dir.name}/{f.name}"
+                row = _read(f, where)
+                expected = where[: -len(".toml")]
+                if row.get("id") != expected:
+                    raise RecipeError(f"{where}: id {row.get('id')!r} must be its path {expected!r}")
+                recipe = _build(deep_merge(table_defaults, row), where)
+                if recipe.table != table_dir.name:
+                    raise RecipeError(f"{where}: table {recipe.table!r} must be its folder {table_dir.name!r}")
+                if recipe.id in found:
+                    raise RecipeError(f"{where}: duplicate id {recipe.id}")
+                found[recipe.id] = recipe
+    for r in found.values():
+        if r.baseline and r.baseline not in found:
+            raise RecipeError(f"{r.source}: baseline {r.baseline!r} is not a recipe id")
+    return found
+
+
+def all_recipes() -> list[Recipe]:
+    """Every row in paper order: by table, then by the row's `order` in it."""
+    return sorted(_load().values(), key=lambda r: (TABLES.index(r.table), r.order, r.id))
+
+
+def by_table(table: str) -> list[Recipe]:
+    if table not in TABLES:
+        raise RecipeError(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
+    return [r for r in all_recipes() if r.table == table]
+
+
+def get(recipe_id: str) -> Recipe:
+    recipes = _load()
+    key = recipe_id.strip().removesuffix(".toml").strip("/")
+    if key in recipes:
+        return recipes[key]
+    ids = list(recipes)
+    close = difflib.get_close_matches(key, ids, n=5, cutoff=0.6)
+    close += [i for i in ids if key and key in i and i not in close][: 5 - len(close)]
+    hint = ("; did you mean: " + ", ".join(close)) if close else "; see `run-recipe list --ids`"
+    raise RecipeError(f"unknown recipe {recipe_id!r}{hint}")
+
+
+def select(patterns: list[str] | tuple[str, ...] = (), table: str | None = None) -> list[Recipe]:
+    """Ids (exact, or shell patterns such as `llama3_8b/table1/*`) plus every row of `table`."""
+    chosen: list[Recipe] = []
+    for pat in patterns:
+        if any(c in pat for c in "*?["):
+            hits = [r for r in all_recipes() if fnmatch.fnmatchcase(r.id, pat)]
+            if not hits:
+                raise RecipeError(f"no recipe matches {pat!r}; see `run-recipe list --ids`")
+            chosen += hits
+        else:
+            chosen.append(get(pat))
+    if table:
+        chosen += by_table(table)
+    seen: set[str] = set()
+    return [r for r in chosen if not (r.id in seen or seen.add(r.id))]
+
+
+def table_info() -> dict[str, dict]:
+    """Titles and captions of the paper tables (recipes/tables.toml)."""
+    return _read(resources.files("recipes") / "tables.toml", "recipes/tables.toml")
