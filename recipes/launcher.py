@@ -126,6 +126,13 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
                 notes.append(f"AsyncTP wants {token} (symmetric memory); this node: {have}")
         elif token == "nvswitch":
             notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
+    from core.config import ConfigError
+    from core.optim.hardware import check_hardware as check_toggles
+    try:  # the trainer's own check (Float8 sm89+, AsyncTP: CUDA + NVLink/NVSwitch in real mode)
+        check_toggles(cfg)
+    except ConfigError as e:
+        if str(e) not in missing:
+            missing.append(str(e))
     return HardwareReport(missing, notes)
 
 
@@ -234,6 +241,9 @@ def launch_env(mode: str, world: int) -> dict[str, str]:
     if mode == "proxy" and world > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
+    # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 

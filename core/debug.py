@@ -1,0 +1,250 @@
+"""Failure signals: collective timeouts, the Flight Recorder, and fault-injection hooks for tests.
+
+Flight Recorder (`comm.trace_buf_size` > 0): torch keeps the last N collectives of every
+process group per rank. `setup_flight_recorder` sets the environment before the process group
+exists; NCCL's watchdog then dumps on a timeout to `<output_dir>/<comm.fr_dump_folder>/rank_N`
+by itself (TORCH_NCCL_DUMP_ON_TIMEOUT + TORCH_FR_DUMP_TEMP_FILE). Gloo records collectives too
+but has no watchdog: the trainer calls `dump_flight_recorder` when a step fails (a gloo timeout
+is a RuntimeError) and on SIGTERM (torchrun stopping the surviving ranks), to the same files.
+Gloo entries stay "scheduled" (no completion times) and their dumps carry no process-group
+table, which `dump_flight_recorder` fills in so torch's `torchfrtrace` can read them.
+
+Read dumps: `python -m core.debug fr <dir>` (our summary: who is behind, in which group, on
+which collective) or `python -m core.debug fr <dir> --torchfrtrace` (torch's analyser).
+
+Timeouts (as torchtitan): `comm.init_timeout_seconds` for process-group creation and the first
+step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group.
+
+Fault injection (tests; environment, first launch attempt only):
+  TITAN_DEBUG_PAUSE="STEP:SECONDS[:RANK,RANK...]"  after STEP (and its checkpoint) the listed
+      ranks (default: all) write `<output_dir>/debug/pid_rank_R` and sleep SECONDS, so a test
+      can SIGKILL a real rank mid-run, or hold one back to trigger a collective timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+FR_PREFIX = "rank_"
+PAUSE_ENV = "TITAN_DEBUG_PAUSE"
+
+
+# ----------------------------------------------------------------------------------- timeouts
+def set_pg_timeouts(seconds: float, exclude=()) -> int:
+    """Set the timeout of every process group this rank belongs to (except `exclude`).
+    Returns how many groups were changed."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    timeout = datetime.timedelta(seconds=seconds)
+    skip = {id(g) for g in exclude if g is not None}
+    n = 0
+    for pg in list(_world.pg_map):
+        if id(pg) in skip:
+            continue
+        _set_pg_timeout(timeout, pg)
+        n += 1
+    return n
+
+
+def pg_timeout_seconds(pg=None) -> float:
+    """The timeout a group's backend currently applies (for checks and tests)."""
+    pg = pg or dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+# ------------------------------------------------------------------------------ flight recorder
+def fr_folder(cfg) -> Path:
+    return Path(cfg.job.output_dir) / cfg.comm.fr_dump_folder
+
+
+def setup_flight_recorder(cfg) -> Path | None:
+    """Environment for the Flight Recorder; call before init_process_group."""
+    if cfg.comm.trace_buf_size <= 0:
+        return None
+    folder = fr_folder(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    size = str(cfg.comm.trace_buf_size)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = size
+    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = size  # the name torch < 2.7 reads
+    os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(folder / FR_PREFIX)  # torch appends the rank
+    os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(folder / FR_PREFIX)  # older name
+    return folder
+
+
+def _pg_config() -> dict:
+    """{group name: {name, desc, ranks}} of every group, the table gloo dumps leave empty."""
+    from torch.distributed.distributed_c10d import _world
+    out = {}
+    for pg in list(_world.pg_map):
+        try:
+            ranks = dist.get_process_group_ranks(pg)
+        except (RuntimeError, ValueError, KeyError):
+            continue
+        out[pg.group_name] = {"name": pg.group_name, "desc": getattr(pg, "group_desc", ""),
+                              "ranks": str(sorted(ranks))}
+    return out
+
+
+def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
+    """Write this rank's Flight Recorder buffer to `<fr folder>/rank_<R>` (pickle, torch's
+    format). No-op when disabled or without a process group."""
+    if cfg.comm.trace_buf_size <= 0 or not dist.is_initialized():
+        return None
+    try:
+        return _dump(cfg, reason)
+    except Exception as e:  # never hide the failure that led here
+        print(f"[debug] Flight Recorder dump failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def _dump(cfg, reason: str) -> Path:
+    rank = dist.get_rank()
+    raw = torch._C._distributed_c10d._dump_fr_trace()
+    data = pickle.loads(raw)
+    config = data.get("pg_config") or {}
+    if not any(v.get("ranks", "[]") != "[]" for v in config.values()):
+        data["pg_config"] = _pg_config()
+    data["titan_reason"] = reason
+    folder = fr_folder(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{FR_PREFIX}{rank}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(data))
+    os.replace(tmp, path)
+    return path
+
+
+def dump_on_sigterm(cfg) -> None:
+    """torchrun stops the surviving ranks with SIGTERM: leave their buffers on disk first."""
+    if cfg.comm.trace_buf_size <= 0:
+        return
+
+    def handler(signum, frame):
+        try:
+            dump_flight_recorder(cfg, reason="SIGTERM")
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def read_traces(folder: str | os.PathLike) -> dict[int, dict]:
+    """{rank: dump} of the `rank_N` files of a folder."""
+    out = {}
+    for f in sorted(Path(folder).glob(f"{FR_PREFIX}*")):
+        suffix = f.name[len(FR_PREFIX):]
+        if suffix.isdigit():
+            with open(f, "rb") as fh:
+                out[int(suffix)] = pickle.load(fh)
+    if not out:
+        raise FileNotFoundError(f"{folder}: no Flight Recorder dumps ({FR_PREFIX}N files)")
+    return out
+
+
+def analyze(traces: dict[int, dict]) -> dict:
+    """Per group: each rank's last enqueued collective, and which ranks lag behind the rest
+    (on a hang, they never issued the collective the others are blocked in)."""
+    groups: dict[str, dict] = {}
+    for rank, d in traces.items():
+        for e in d.get("entries", []):
+            name, desc = e["process_group"]
+            g = groups.setdefault(name, {"desc": desc, "last": {}, "ops": {}})
+            seq = e.get("collective_seq_id", 0)
+            if seq >= g["last"].get(rank, (-1,))[0]:
+                g["last"][rank] = (seq, e["profiling_name"], e.get("state"), e.get("input_sizes"))
+            g["ops"][(rank, seq)] = e["profiling_name"]
+    report = {"ranks": sorted(traces), "groups": {}, "lagging": []}
+    for name, g in groups.items():
+        seqs = {r: v[0] for r, v in g["last"].items()}
+        top = max(seqs.values())
+        behind = sorted(r for r, s in seqs.items() if s < top)
+        ahead = [r for r, s in seqs.items() if s == top]
+        stuck = g["last"][ahead[0]]
+        report["groups"][name] = {"desc": g["desc"], "last_seq": seqs,
+                                  "stuck_in": {"seq": stuck[0], "op": stuck[1], "state": stuck[2],
+                                               "sizes": stuck[3]}}
+        if behind:
+            report["lagging"].append({"group": name, "desc": g["desc"], "ranks": behind,
+                                      "waiting_ranks": sorted(ahead), "op": stuck[1], "seq": stuck[0]})
+    return report
+
+
+def format_report(report: dict, traces: dict[int, dict]) -> str:
+    lines = [f"Flight Recorder dumps of ranks {report['ranks']}"]
+    for r, d in sorted(traces.items()):
+        ents = d.get("entries", [])
+        last = ents[-1] if ents else None
+        why = d.get("titan_reason") or ""
+        lines.append(f"  rank {r}: {len(ents)} entries" + (
+            f", last {last['profiling_name']} seq {last.get('collective_seq_id')} in group "
+            f"{last['process_group'][0]} ({last['process_group'][1]}), {last.get('state')}" if last else "")
+            + (f"; dumped on: {why.splitlines()[0][:160]}" if why else ""))
+    if not report["lagging"]:
+        lines.append("No rank is behind: every rank issued the same last collective in every group.")
+    for lag in report["lagging"]:
+        lines.append(f"Rank(s) {lag['ranks']} never issued {lag['op']} #{lag['seq']} in group {lag['group']} "
+                     f"({lag['desc']}) that rank(s) {lag['waiting_ranks']} are waiting in.")
+    return "\n".join(lines)
+
+
+def torchfrtrace(folder: str | os.PathLike, *extra: str) -> str:
+    """Run torch's own analyser (`torchfrtrace`) on a dump folder; returns what it printed.
+    (A subprocess: its logger holds on to the stdout it found at import.)"""
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder),
+                           "--prefix", FR_PREFIX, *extra], capture_output=True, text=True, timeout=600)
+    return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------ fault injection
+def maybe_pause(step: int, output_dir: str | os.PathLike, rank: int) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    at, seconds = int(parts[0]), float(parts[1])
+    ranks = {int(r) for r in parts[2].split(",")} if len(parts) > 2 and parts[2] else None
+    if step != at or (ranks is not None and rank not in ranks):
+        return
+    folder = Path(output_dir) / "debug"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"pid_rank_{rank}.tmp"
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, folder / f"pid_rank_{rank}")
+    print(f"[debug] rank {rank} (pid {os.getpid()}) pausing {seconds:g} s after step {step}", flush=True)
+    time.sleep(seconds)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.debug", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    fr = sub.add_parser("fr", help="summarise Flight Recorder dumps (rank_N files)")
+    fr.add_argument("folder")
+    fr.add_argument("--torchfrtrace", action="store_true", help="run torch's analyser instead")
+    a = parser.parse_args(argv)
+    try:
+        if a.torchfrtrace:
+            print(torchfrtrace(a.folder))
+        else:
+            traces = read_traces(a.folder)
+            print(format_report(analyze(traces), traces))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Checkpointing (issue: production training): DCP save/load, exact resume on every layout,
+resharded resume, a killed rank restarted by torchrun, NaN stop, Flight Recorder, HF interchange,
+bad checkpoints, async overhead.
+
+Single-process tests run the real Trainer in this process (a world-1 gloo group); the
+multi-process ones launch torchrun and are marked slow.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from core.checkpoint import (CheckpointError, complete_steps, import_hf,
+                             load_model_weights, main as ckpt_main, read_metadata, resolve)
+from core.config import ConfigError, load_config, validate
+from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer
+
+pytestmark = pytest.mark.checkpoint
+
+CKPT = ["--checkpoint.enabled=true"]
+
+
+# --------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def pg():
+    """A world-1 gloo group for in-process Trainer runs (left as found)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def _cfg(out: Path, *overrides: str):
+    return validate(load_config(None, [*TINY_JOB, f"--job.output_dir={out}", *overrides]), 1, check_files=False)
+
+
+def train(out: Path, *overrides: str) -> dict:
+    from core.train import run
+    return run(_cfg(out, *overrides))
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def base(pg, tmp_path_factory):
+    """6 steps, async saves every 2 steps, keep the latest 2."""
+    out = tmp_path_factory.mktemp("base")
+    rec = train(out, *CKPT, "--training.steps=6", "--checkpoint.interval=2",
+                "--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=2")
+    return out, rec
+
+
+# ------------------------------------------------------------------ single process (fast)
+def test_async_save_keep_latest_and_bit_identical_resume(base, tmp_path):
+    out, rec = base
+    folder = out / "checkpoint"
+    assert list(complete_steps(folder)) == [4, 6]  # keep_latest_k=2 dropped step-2
+    assert not list(folder.glob("*.tmp"))
+    info = json.loads((folder / "step-6" / "titan.json").read_text())
+    assert info["kind"] == "full" and info["step"] == 6 and info["model_shape"]["n_layers"] == 2
+    keys = read_metadata(folder / "step-4").state_dict_metadata
+    for k in ("optimizer.state.layers.0.attention.wq.weight.exp_avg", "lr_scheduler", "train_state",
+              "dataloader.dp_rank_0", "rng.rank_0", "model.output.weight"):
+        assert k in keys, k
+    # a fresh run that starts from step 4: steps 5, 6 exactly as the uninterrupted run
+    resumed = train(tmp_path, *CKPT, "--training.steps=6", f"--checkpoint.resume_from={folder}",
+                    "--checkpoint.load_step=4")
+    assert resumed["start_step"] == 4 and resumed["losses"] == rec["losses"][4:]
+    assert rec["losses"][0] != rec["losses"][-1]
+
+
+def test_half_written_checkpoint_is_never_loaded(base, tmp_path):
+    src, _ = base
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(src / "checkpoint", folder)
+    # a run killed mid-save leaves step-N.tmp: complete-looking or half-written, never "latest"
+    shutil.copytree(folder / "step-6", folder / "step-8.tmp")
+    (folder / "step-7.tmp").mkdir()
+    (folder / "step-7.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert resolve(folder) == folder / "step-6"
+    rec = train(tmp_path, *CKPT, "--training.steps=8", "--checkpoint.interval=2")
+    assert rec["start_step"] == 6 and len(rec["losses"]) == 2
+    assert list(complete_steps(folder)) == [4, 6, 8] and not list(folder.glob("*.tmp"))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(pg, tmp_path):
+    with pytest.raises(FloatingPointError, match=r"step (\d+): loss is (nan|inf)") as err:
+        train(tmp_path, *CKPT, "--training.steps=6", "--checkpoint.interval=1", "--optimizer.lr=1e30",
+              "--lr_scheduler.warmup_steps=0", "--checkpoint.async_mode=async")
+    bad = int(str(err.value).split()[1].rstrip(":"))
+    steps = complete_steps(tmp_path / "checkpoint")
+    assert bad >= 2 and list(steps) == list(range(1, bad)), (bad, list(steps))
+    assert not list((tmp_path / "checkpoint").glob("*.tmp"))
+
+
+def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
+    from core.models.llama3 import Transformer
+    from core.train import model_args
+    run1 = tmp_path / "run1"
+    rec = train(run1, *CKPT, "--training.steps=2", "--checkpoint.interval=1",
+                "--checkpoint.create_seed_checkpoint=true", "--checkpoint.model_weights_only=true",
+                "--checkpoint.export_dtype=bfloat16")
+    folder = run1 / "checkpoint"
+    assert list(complete_steps(folder)) == [0, 1, 2]
+    seed, info = load_model_weights(folder / "step-0")
+    assert info["kind"] == "seed"
+    torch.manual_seed(0)
+    fresh = Transformer(model_args(_cfg(run1), None))
+    fresh.init_weights()
+    assert all(torch.equal(seed[k], v) for k, v in fresh.state_dict().items())
+    last = read_metadata(folder / "step-2").state_dict_metadata
+    assert not any(k.startswith("optimizer.") for k in last)
+    assert last["model.layers.0.attention.wq.weight"].properties.dtype == torch.bfloat16
+    assert any(k.startswith("optimizer.") for k in read_metadata(folder / "step-1").state_dict_metadata)
+    # the seed starts another run from the same weights (fresh optimizer, step 0)
+    rec2 = train(tmp_path / "run2", *CKPT, "--training.steps=2", f"--checkpoint.resume_from={folder / 'step-0'}",
+                 "--job.seed=123")
+    assert rec2["start_step"] == 0 and rec2["losses"] == rec["losses"]
+
+
+def test_pg_timeouts_shorten_after_first_step(pg, tmp_path):
+    from core.debug import pg_timeout_seconds
+    dist.distributed_c10d._set_pg_timeout(__import__("datetime").timedelta(seconds=300))
+    train(tmp_path, "--training.steps=2", "--comm.train_timeout_seconds=77")
+    assert pg_timeout_seconds() == 77
+
+
+def _corrupt(folder: Path, how: str) -> str:
+    """Damage a copy of a checkpoint; returns the file the error must name."""
+    if how == "missing_shard":
+        (folder / "__0_0.distcp").unlink()
+        return "__0_0.distcp"
+    if how == "truncated_shard":
+        f = folder / "__0_0.distcp"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return "__0_0.distcp"
+    if how == "corrupted_metadata":
+        (folder / ".metadata").write_bytes(os.urandom(512))
+        return ".metadata"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["missing_shard", "truncated_shard", "corrupted_metadata"])
+def test_damaged_checkpoint_fails_clearly_and_stays_untouched(base, tmp_path, how):
+    src, _ = base
+    bad = tmp_path / "bad"
+    shutil.copytree(src / "checkpoint" / "step-6", bad)
+    name = _corrupt(bad, how)
+    before = tree_digest(bad)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")) as err:
+        train(tmp_path / "run", *CKPT, "--training.steps=8", f"--checkpoint.resume_from={bad}")
+    assert str(bad) in str(err.value)
+    assert tree_digest(bad) == before
+    assert not (tmp_path / "run" / "checkpoint").exists() or not complete_steps(tmp_path / "run" / "checkpoint")
+
+
+def test_checkpoint_of_another_model_shape(base, tmp_path):
+    other = tmp_path / "other"
+    train(other, *CKPT, "--model.flavor=tiny4", "--training.steps=1")
+    step = other / "checkpoint" / "step-1"
+    before = tree_digest(step)
+    with pytest.raises(CheckpointError, match=r"titan\.json.*n_layers 4 \(checkpoint\) != 2"):
+        train(tmp_path / "a", *CKPT, f"--checkpoint.resume_from={step}")
+    (step / "titan.json").unlink()  # without our info file, the DCP metadata still tells
+    before.pop("titan.json")
+    with pytest.raises(CheckpointError, match=r"\.metadata: .*(shape|entry)"):
+        train(tmp_path / "b", *CKPT, f"--checkpoint.resume_from={step}")
+    assert tree_digest(step) == before
+
+
+def test_resume_path_or_step_that_does_not_exist(base, tmp_path):
+    src, _ = base
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match="checkpoint.resume_from.*nowhere"):
+        validate(load_config(None, [f"--checkpoint.resume_from={missing}"]), 1)
+    with pytest.raises(CheckpointError, match="nowhere"):
+        resolve(tmp_path / "own", -1, str(missing))
+    before = tree_digest(src / "checkpoint")
+    with pytest.raises(CheckpointError, match=r"step-5.*load_step 5 not found.*\[4, 6\]"):
+        train(tmp_path / "r", *CKPT, f"--checkpoint.resume_from={src / 'checkpoint'}", "--checkpoint.load_step=5")
+    assert tree_digest(src / "checkpoint") == before
+    for bad in (["checkpoint.keep_latest_k=-1"], ["checkpoint.load_step=-2"], ["comm.trace_buf_size=-1"],
+                ["comm.train_timeout_seconds=0"]):
+        with pytest.raises(ConfigError, match=bad[0].split("=")[0].replace(".", r"\.")):
+            validate(load_config(None, bad), 1, check_files=False)
+
+
+def test_hf_export_matches_transformers_logits(base, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from core.models.llama3 import ModelArgs, Transformer
+    src, _ = base
+    step = src / "checkpoint" / "step-6"
+    hf_dir = tmp_path / "hf"
+    assert ckpt_main(["export-hf", str(src / "checkpoint"), str(hf_dir)]) == 0  # a folder: its latest
+    weights, info = load_model_weights(step)
+    ours = Transformer(ModelArgs(**info["model_args"]))
+    ours.load_state_dict(weights, strict=False)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, info["model_args"]["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ours(tokens), hf(tokens).logits
+    assert (a - b).abs().max().item() < 1e-4
+    # and back: HF -> a model-only DCP checkpoint with the same tensors
+    back = import_hf(hf_dir, tmp_path / "imported")
+    again, _ = load_model_weights(back)
+    assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
+    with pytest.raises(CheckpointError, match="already exists"):
+        import_hf(hf_dir, back)
+    assert ckpt_main(["export-hf", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+
+
+def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
+    from core.debug import analyze, dump_flight_recorder, read_traces, setup_flight_recorder
+    for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.setenv(k, "")  # so that the values set below are undone after the test
+        monkeypatch.delenv(k)
+    cfg = _cfg(tmp_path, "--comm.trace_buf_size=64")
+    folder = setup_flight_recorder(cfg)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "64" == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"]
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "comm_traces" / "rank_")
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and folder.is_dir()
+    assert setup_flight_recorder(_cfg(tmp_path)) is None  # 0 disables
+    path = dump_flight_recorder(cfg, reason="test")
+    d = read_traces(path.parent)[0]
+    assert d["titan_reason"] == "test" and d["pg_config"]  # filled for torchfrtrace
+    # the analysis on two synthetic ranks: rank 1 never issued the collective rank 0 waits in
+    e = {"process_group": ("3", "dp_shard_cp"), "state": "scheduled", "input_sizes": [[8]]}
+    traces = {0: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2, 3)]},
+              1: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2)]}}
+    lag = analyze(traces)["lagging"]
+    assert lag == [{"group": "3", "desc": "dp_shard_cp", "ranks": [1], "waiting_ranks": [0],
+                    "op": "gloo:all_gather", "seq": 3}]
+
+
+def test_checkpoint_overhead_bench(pg, tmp_path):
+    from recipes.checkpoint_bench import COLUMNS, run_checkpoint_bench
+    out = tmp_path / "checkpoint_overhead.csv"
+    rows = run_checkpoint_bench(out, flavor="tiny", steps=5, interval=1, work_dir=tmp_path)
+    with open(out) as f:
+        table = list(csv.reader(f))
+    assert tuple(table[0]) == COLUMNS
+    modes = {r[0]: (float(r[1]), float(r[2])) for r in table[1:]}
+    assert set(modes) == {"sync", "async", "async_with_pinned_mem"}
+    assert all(r["saves"] == 3 for r in rows)
+    assert modes["async"][0] < modes["sync"][0]  # the copy to memory is cheaper than the write
+    assert all(total >= blocking > 0 for blocking, total in modes.values())
+
+
+# ---------------------------------------------------------------- multi-process (slow)
+def _driver_cmd(nproc: int, root: Path, jobs: list[tuple], max_restarts: int = 0) -> list[str]:
+    """tests/checkpoint_driver.py: several Trainer jobs (name, overrides[, env]) in one torchrun group."""
+    root.mkdir(parents=True, exist_ok=True)
+    plan = {"root": str(root), "jobs": [{"name": j[0], "overrides": [*TINY_JOB, *j[1]],
+                                         "env": j[2] if len(j) > 2 else {}} for j in jobs]}
+    (root / "plan.json").write_text(json.dumps(plan))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}", str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")]
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as recipes.launcher.launch_env (pytorch#135712)
+
+
+def _driver(nproc: int, root: Path, jobs: list[tuple], timeout: float = 900) -> dict:
+    proc = subprocess.run(_driver_cmd(nproc, root, jobs), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+    (root / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError("driver failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-60:]))
+    return {j[0]: json.loads((root / j[0] / "result.json").read_text()) for j in jobs}
+
+
+@pytest.mark.slow
+def test_exact_resume_every_layout_and_resharded_resume(tmp_path):
+    """World 4, global batch 8 x 64 everywhere. Exact: FSDP 4, FSDP 2 x TP 2, PP 2 x FSDP 2
+    (Interleaved1F1B, two model parts per rank), CP 2 x FSDP 2. Resharded: saved under FSDP 4,
+    continued under FSDP 2 x TP 2 and under PP 2 x FSDP 2."""
+    def job(layout, resume=None, flavor="tiny"):
+        o = [*CKPT, "--training.steps=4", "--checkpoint.interval=2", f"--model.flavor={flavor}", *layout]
+        if resume:
+            o += [f"--checkpoint.resume_from={tmp_path / resume / 'checkpoint'}", "--checkpoint.load_step=2"]
+        return o
+    fsdp = ["--parallelism.dp_shard=4", "--training.local_batch_size=2"]
+    tp = ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--training.local_batch_size=4"]
+    pp = ["--parallelism.dp_shard=2", "--parallelism.pp=2", "--training.local_batch_size=4"]
+    ppi = pp + ["--parallelism.pp_schedule=Interleaved1F1B"]
+    cp = ["--parallelism.dp_shard=2", "--parallelism.cp=2", "--training.local_batch_size=4"]
+    r = _driver(4, tmp_path, [
+        ("fsdp", job(fsdp)), ("fsdp_r", job(fsdp, "fsdp")),
+        ("tp", job(tp)), ("tp_r", job(tp, "tp")), ("tp_from_fsdp", job(tp, "fsdp")),
+        ("pp_from_fsdp", job(pp, "fsdp")),
+        ("ppi", job(ppi, flavor="tiny4")), ("ppi_r", job(ppi, "ppi", flavor="tiny4")),
+        ("cp", job(cp)), ("cp_r", job(cp, "cp")),
+    ])
+    for name in ("fsdp", "tp", "ppi", "cp"):
+        full, resumed = r[name]["losses"], r[f"{name}_r"]
+        assert resumed["start_step"] == 2 and resumed["losses"] == full[2:], (name, resumed["losses"], full)
+    assert r["ppi"]["pp_stages_per_rank"] == 2  # two model parts per rank under one optimizer
+    for name in ("tp_from_fsdp", "pp_from_fsdp"):
+        assert r[name]["start_step"] == 2
+        assert max_abs_diff(r[name]["losses"], r["fsdp"]["losses"][2:]) < 1e-5, name
+
+
+def _children_of(pid: int) -> set[int]:
+    import psutil
+    return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+
+
+def test_launcher_max_restarts_flag(tmp_path):
+    from recipes.launcher import local_command
+    assert "--max-restarts=1" in local_command(2, tmp_path / "job.json", max_restarts=1)
+    assert not any(a.startswith("--max-restarts") for a in local_command(2, tmp_path / "job.json"))
+    from recipes.launcher import launch_env
+    assert launch_env("proxy", 2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
+    """torchrun --max-restarts=1 over a group that first trains the uninterrupted baseline, then
+    the same job again, whose rank 1 is SIGKILLed after step 5 (checkpoints at 2 and 4). The
+    agent restarts the group, the job resumes at step 4 and ends with the baseline's losses."""
+    job = [*CKPT, "--training.steps=8", "--checkpoint.interval=2", "--parallelism.dp_shard=2",
+           "--training.local_batch_size=4"]
+    cmd = _driver_cmd(2, tmp_path, [("base", job + ["--checkpoint.async_mode=async_with_pinned_mem"]),
+                                    ("killed", job, {"TITAN_DEBUG_PAUSE": "5:300"})], max_restarts=1)
+    out = tmp_path / "killed"
+    with open(tmp_path / "log.txt", "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            pid_file = out / "debug" / "pid_rank_1"
+            deadline = time.time() + 600
+            while not pid_file.exists():
+                assert agent.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+                time.sleep(0.5)
+            victim = int(pid_file.read_text())
+            assert victim in _children_of(agent.pid)  # a real worker of this torchrun
+            assert list(complete_steps(out / "checkpoint")) == [2, 4]
+            os.kill(victim, signal.SIGKILL)
+            rc = agent.wait(timeout=600)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 0, text[-3000:]
+    assert "exitcode: -9" in text and f"pid: {victim}" in text  # torchrun saw the SIGKILL
+    base = json.loads((tmp_path / "base" / "result.json").read_text())
+    rec = json.loads((out / "result.json").read_text())
+    assert rec["start_step"] == 4 and rec["losses"] == base["losses"][4:]
+    # step 5 ran twice (before the kill and after the restart), with the same loss
+    fives = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["step"] == 5]
+    assert len(fives) == 2 and fives[0] == fives[1] == base["losses"][4]
+
+
+@pytest.mark.slow
+def test_flight_recorder_dump_on_collective_timeout(tmp_path):
+    """Rank 1 stalls after step 3; rank 0 hits the 3 s train timeout (not the 300 s init one)
+    in its next collective, dumps its Flight Recorder buffer; torchrun's SIGTERM makes rank 1
+    dump too; the reader names rank 1 as the one behind."""
+    from core.debug import analyze, format_report, read_traces, torchfrtrace
+    out = tmp_path / "run"
+    env = {"TITAN_DEBUG_PAUSE": "3:60:1"}  # rank 1 sleeps 60 s after step 3
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        _run_env(2, [*TINY_JOB, "--training.steps=6", "--parallelism.dp_shard=2", "--training.local_batch_size=4",
+                     "--comm.trace_buf_size=2000", "--comm.train_timeout_seconds=3"], out, env)
+    paused = (out / "debug" / "pid_rank_1").stat().st_mtime
+    folder = out / "comm_traces"
+    traces = read_traces(folder)
+    assert 0 in traces and "Timed out" in traces[0]["titan_reason"]
+    # within the 3 s train timeout (+ slack), long before rank 1 wakes or the 300 s init timeout
+    assert (folder / "rank_0").stat().st_mtime - paused < 30
+    assert any(e["profiling_name"].startswith("gloo:") for e in traces[0]["entries"])
+    report = analyze(traces)
+    assert 1 in traces and traces[1]["titan_reason"] == "SIGTERM"  # torchrun stopped it after rank 0 failed
+    assert [1] in [lag["ranks"] for lag in report["lagging"]], format_report(report, traces)
+    assert "missing ranks: {1}" in torchfrtrace(folder)  # torch's analyser agrees
+
+
+def _run_env(nproc, overrides, out_dir, env_extra):
+    old = {k: os.environ.get(k) for k in env_extra}
+    os.environ.update(env_extra)
+    try:
+        return run_trainer(nproc, overrides, out_dir, timeout=600)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
