@@ -91,6 +91,7 @@ class Parallelism:
     pp_microbatches: int = 0  # 0: one per stage
     pp_layers_per_stage: int = 0  # 0: split layers evenly over pp * stages_per_rank stages
     pp_stages_per_rank: int = 0  # 0: 1 for single-stage schedules, 2 for looped ones
+    pp_split_points: list[int] = field(default_factory=list)  # first layer of stages 1.. (overrides the above)
     cp_rotate_method: str = "allgather"  # allgather | alltoall
     world_size: int = 0  # 0: taken from the launcher (WORLD_SIZE) or the product of degrees
 
@@ -99,6 +100,8 @@ class Parallelism:
 class ActivationCheckpoint:
     mode: str = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op", or an integer k: checkpoint every k-th block
+    # op SAC: recompute every second matmul instead of saving it (torchtitan's policy, the paper's)
+    save_every_other_mm: bool = False
 
 
 @dataclass
@@ -311,12 +314,90 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
     return product
 
 
-def stages_per_rank(p: Parallelism) -> int:
+def stages_per_rank(p: Parallelism, n_layers: int | None = None) -> int:
+    """Explicit, else from split points or layers per stage (needs n_layers), else 1 or 2."""
     if p.pp == 1:
         return 1
     if p.pp_stages_per_rank:
         return p.pp_stages_per_rank
+    n_stages = 0
+    if p.pp_split_points:
+        n_stages = len(p.pp_split_points) + 1
+    elif p.pp_layers_per_stage and n_layers:
+        n_stages = -(-n_layers // p.pp_layers_per_stage)
+    if n_stages:
+        return max(1, n_stages // p.pp)  # validate() refuses a count pp does not divide
     return 2 if p.pp_schedule in PP_SCHEDULES_LOOPED else 1
+
+
+def pp_microbatches(p: Parallelism, n_layers: int | None = None) -> int:
+    """Explicit, else one per stage (torchtitan's default)."""
+    return p.pp_microbatches or p.pp * stages_per_rank(p, n_layers)
+
+
+def _validate_pp(cfg: JobConfig, n_layers: int) -> None:
+    """Stage count and layer split, and the microbatch counts each torch schedule accepts."""
+    from core.parallel.pipeline import split_layers  # local: imports torch.distributed.pipelining
+
+    t, p = cfg.training, cfg.parallelism
+    spr = stages_per_rank(p, n_layers)
+    if p.pp_split_points and (len(p.pp_split_points) + 1) % p.pp:
+        raise ConfigError(f"parallelism.pp_split_points: {len(p.pp_split_points) + 1} stages do not divide "
+                          f"over pp {p.pp} ranks")
+    if p.pp_layers_per_stage and not p.pp_split_points and not p.pp_stages_per_rank \
+            and -(-n_layers // p.pp_layers_per_stage) % p.pp:
+        raise ConfigError(f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} gives "
+                          f"{-(-n_layers // p.pp_layers_per_stage)} stages for {n_layers} layers, not a "
+                          f"multiple of pp {p.pp}")
+    # the key that set the stage count, named in the errors below
+    src = "parallelism." + ("pp_stages_per_rank" if p.pp_stages_per_rank else "pp_split_points"
+                            if p.pp_split_points else "pp_layers_per_stage" if p.pp_layers_per_stage
+                            else "pp_stages_per_rank")
+    if p.pp_schedule in ("ZBVZeroBubble", "DualPipeV") and spr != 2:
+        raise ConfigError(f"{src}: {p.pp_schedule} needs exactly 2 stages per rank, got {spr}")
+    if p.pp_schedule in PP_SCHEDULES_SINGLE and spr != 1:
+        raise ConfigError(f"{src}: {p.pp_schedule} takes 1 stage per rank, got {spr}")
+    if p.pp_schedule in PP_SCHEDULES_LOOPED and spr < 2:
+        raise ConfigError(f"{src}: {p.pp_schedule} loops over >= 2 stages per rank, got {spr}")
+    n_stages = p.pp * spr
+    if n_stages > n_layers:
+        raise ConfigError(
+            f"parallelism.pp: {n_stages} pipeline stages (pp {p.pp} x {spr} per rank) "
+            f"exceed the model's {n_layers} layers ({cfg.model.flavor})")
+    split_layers(n_layers, n_stages, p.pp_layers_per_stage, p.pp_split_points)
+    micro = pp_microbatches(p, n_layers)
+    if micro < p.pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches: {micro} microbatches cannot fill a {p.pp}-rank pipeline "
+            f"(need >= {p.pp})")
+    if p.pp_schedule == "DualPipeV" and micro < n_stages:
+        raise ConfigError(f"parallelism.pp_microbatches: DualPipeV needs >= one per stage ({n_stages}), got {micro}")
+    rounds = max(1, micro // p.pp)  # torch's interleaved schedules run micro // pp rounds
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
+        raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of "
+                          f"{rounds} rounds (microbatches // pp), got {micro}")
+    if t.local_batch_size % micro:
+        raise ConfigError(
+            f"parallelism.pp_microbatches: {micro} does not divide training.local_batch_size {t.local_batch_size}")
+    if cfg.compile.enabled and p.pp_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        raise ConfigError(f"compile.enabled: torch's {p.pp_schedule} splits the backward into input and "
+                          "weight parts, which it does not support on compiled stages")
+
+
+def _validate_toggles(cfg: JobConfig) -> None:
+    """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.optim.hardware)."""
+    f, p = cfg.float8, cfg.parallelism
+    _one_of("compile.backend", cfg.compile.backend, ("inductor", "aot_eager", "eager"))
+    if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
+        raise ConfigError(f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "
+                          f"(one scale per tensor), got {f.recipe!r}")
+    if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
+        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp: needs "
+                          "float8.enable_fsdp_float8_all_gather = true")
+    if p.enable_async_tp and p.tp < 2:
+        raise ConfigError(f"parallelism.enable_async_tp: needs tensor parallelism (parallelism.tp > 1), got tp {p.tp}")
+    if p.enable_async_tp and not cfg.compile.enabled:
+        raise ConfigError("parallelism.enable_async_tp: AsyncTP is an inductor pass, it needs compile.enabled = true")
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
@@ -341,6 +422,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     if sac != "op" and not (sac.isdigit() and int(sac) >= 1):
         raise ConfigError(f"activation_checkpoint.selective_ac_option: {sac!r} must be 'op' or an integer >= 1")
     _one_of("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    _validate_toggles(cfg)
     _one_of("checkpoint.async_mode", cfg.checkpoint.async_mode, ("disabled", "async", "async_with_pinned_mem"))
     _one_of("checkpoint.export_dtype", cfg.checkpoint.export_dtype, DTYPES)
     for key in ("steps", "local_batch_size", "seq_len", "grad_accum_steps"):
@@ -352,6 +434,17 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
     if cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval: must be >= 1, got {cfg.checkpoint.interval}")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
+    if cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step: must be >= 0, or -1 for the latest, got {cfg.checkpoint.load_step}")
+    if cfg.checkpoint.folder in ("", ".", "..") or os.path.isabs(cfg.checkpoint.folder):
+        raise ConfigError(f"checkpoint.folder: {cfg.checkpoint.folder!r} must be a sub-folder name of job.output_dir")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        if getattr(cfg.comm, key) <= 0:
+            raise ConfigError(f"comm.{key}: must be > 0, got {getattr(cfg.comm, key)}")
+    if cfg.comm.trace_buf_size < 0:
+        raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 disables), got {cfg.comm.trace_buf_size}")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
 
@@ -363,32 +456,15 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(
             f"parallelism.tp: {p.tp} does not divide model n_kv_heads {args.n_kv_heads} ({cfg.model.flavor})")
     if p.pp > 1:
-        n_stages = p.pp * stages_per_rank(p)
-        if p.pp_schedule in ("ZBVZeroBubble", "DualPipeV") and stages_per_rank(p) != 2:
-            raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} needs exactly 2 stages per rank")
-        if p.pp_schedule in PP_SCHEDULES_SINGLE and stages_per_rank(p) != 1:
-            raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} takes 1 stage per rank")
-        if n_stages > args.n_layers:
-            raise ConfigError(
-                f"parallelism.pp: {n_stages} pipeline stages (pp {p.pp} x {stages_per_rank(p)} per rank) "
-                f"exceed the model's {args.n_layers} layers ({cfg.model.flavor})")
-        micro = p.pp_microbatches or p.pp
-        if micro < p.pp:
-            raise ConfigError(
-                f"parallelism.pp_microbatches: {micro} microbatches cannot fill a {p.pp}-stage pipeline "
-                f"(need >= {p.pp})")
-        if t.local_batch_size % micro:
-            raise ConfigError(
-                f"parallelism.pp_microbatches: {micro} does not divide training.local_batch_size {t.local_batch_size}")
-        if p.pp_schedule in PP_SCHEDULES_LOOPED and p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV") \
-                and micro % p.pp:
-            raise ConfigError(
-                f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of pp ({p.pp}), got {micro}")
+        _validate_pp(cfg, args.n_layers)
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"training.seq_len: {t.seq_len} must divide by 2 x cp = {2 * p.cp} (load-balanced context parallel)")
     if p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError(f"training.seq_len: {t.seq_len} must divide by tp {p.tp} (sequence parallel)")
+    if p.tp > 1 and p.cp > 1 and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
+                          f"tp {p.tp} (sequence parallel inside context parallel)")
     if t.seq_len > args.max_seq_len and cfg.model.flavor not in ("8B", "70B", "405B"):
         pass  # proxy flavors size their RoPE table from training.seq_len at build time
     if check_files:

@@ -54,6 +54,9 @@ def init_distributed(cfg: JobConfig) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    from core.debug import dump_on_sigterm, setup_flight_recorder
+    setup_flight_recorder(cfg)  # its environment must exist before the process group
+    dump_on_sigterm(cfg)
     if "RANK" in os.environ:  # torchrun
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -103,6 +106,8 @@ class Trainer:
 
         self.model_parts, self.pp_schedule = self._build_model()
         self.optimizer = build_optimizer(self.model_parts, cfg)
+        from core.optim.float8 import post_optimizer_hook
+        self.post_optimizer_hook = post_optimizer_hook(cfg)  # Float8: precompute FSDP scales
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.dataloader = self._build_dataloader()
         self.step = 0
@@ -208,12 +213,14 @@ class Trainer:
             return {}
         from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
         p = self.cfg.parallelism
-        spr = len(self.pp_schedule_stages)
-        return {"pp_schedule": p.pp_schedule, "pp_microbatches": self.pp_schedule._n_microbatches,
-                "pp_stages_per_rank": spr,
-                "pp_bubble_fraction": bubble_fraction(p.pp_schedule, self.dims.pp,
-                                                      self.pp_schedule._n_microbatches, spr),
-                "pp_bubble_costs": DEFAULT_COSTS}
+        spr, micro = len(self.pp_schedule_stages), self.pp_schedule._n_microbatches
+        out = {"pp_schedule": p.pp_schedule, "pp_microbatches": micro, "pp_stages_per_rank": spr,
+               "pp_bubble_costs": DEFAULT_COSTS}
+        try:
+            out["pp_bubble_fraction"] = bubble_fraction(p.pp_schedule, self.dims.pp, micro, spr)
+        except (RuntimeError, ValueError, AssertionError) as e:  # never lose the run's record to it
+            out["pp_bubble_fraction"], out["pp_bubble_error"] = None, str(e).splitlines()[0]
+        return out
 
     @property
     def pp_schedule_stages(self):
@@ -237,6 +244,8 @@ class Trainer:
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
         self.optimizer.step()
+        if self.post_optimizer_hook is not None:
+            self.post_optimizer_hook(self.model_parts)
         self.lr_scheduler.step()
         # the loss of the global batch: every dp x cp rank saw an equal share of its tokens
         dp_cp = self.mesh["dp_cp"]
@@ -251,6 +260,7 @@ class Trainer:
         logger = MetricsLogger(self.out_dir, self.rank, cfg.metrics.enable_tensorboard)
         if self.checkpointer:
             self.checkpointer.load()
+        self.start_step = self.step  # > 0 when resumed from a checkpoint
         data_iter = iter(self.dataloader)
         tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         fpt = flops_per_token(self.model_args, t.seq_len)
@@ -274,6 +284,8 @@ class Trainer:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if not (loss == loss and abs(loss) != float("inf")):
+                if self.checkpointer:  # finish the save of the last good step; never save this one
+                    self.checkpointer.close()
                 raise FloatingPointError(f"step {self.step}: loss is {loss}; stopping "
                                          "(the last complete checkpoint is kept)")
             losses.append(loss)
@@ -289,6 +301,14 @@ class Trainer:
                 progress.update(1)
             if self.checkpointer:
                 self.checkpointer.maybe_save(self.step)
+            if self.step == self.start_step + 1:
+                # first step done (lazy init, compilation): the shorter timeout from now on
+                from core.debug import set_pg_timeouts
+                dist.barrier()
+                set_pg_timeouts(cfg.comm.train_timeout_seconds,
+                                exclude=[self.checkpointer.pg] if self.checkpointer else [])
+            from core.debug import maybe_pause
+            maybe_pause(self.step, self.out_dir, self.rank)  # fault-injection hook (tests)
         wall = time.perf_counter() - wall0
         if progress:
             progress.close()
@@ -322,6 +342,7 @@ class Trainer:
             "toggles_skipped": self.toggles.skipped,
             **self._pp_record(),
             "steps": len(losses),
+            "start_step": getattr(self, "start_step", 0),  # losses are of steps start_step+1..
             "losses": losses,
             "grad_norms": grad_norms,
             "step_times_s": step_times,
@@ -371,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+        from core.optim.hardware import check_hardware
+        check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -381,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(cfg)
     try:
         run(cfg)
+    except Exception as e:
+        from core.debug import dump_flight_recorder
+        dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
+        raise
     finally:
         dist.destroy_process_group()
     return 0

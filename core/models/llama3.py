@@ -11,7 +11,7 @@ on the module names and a few conventions kept here:
 - ``Attention.inner_attention`` is a parameter-free module around
   ``F.scaled_dot_product_attention(is_causal=True)``: context parallelism targets it.
 - ``freqs_cis`` is a non-persistent buffer of ``max_seq_len`` rows, sliced to the input's
-  sequence length in ``forward``. (For context parallelism build the model with
+  sequence length in ``apply_rotary_emb``. (For context parallelism build the model with
   ``max_seq_len == seq_len``, so the buffer is sharded along the sequence like the inputs.)
 
 Construction on the meta device and materialisation::
@@ -99,6 +99,9 @@ FLAVORS: dict[str, ModelArgs] = {
                       multiple_of=32, max_seq_len=512),
     "tiny4": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
                        multiple_of=32, max_seq_len=512),
+    # Eight stages for looped pipeline schedules at pp 4 x 2 stages per rank.
+    "tiny8": ModelArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
+                       multiple_of=32, max_seq_len=512),
     "debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=PROXY_VOCAB_SIZE,
                        multiple_of=256, max_seq_len=2048),
     "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
@@ -149,7 +152,9 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     """Rotate q and k, shaped (bs, seqlen, heads, head_dim), by freqs_cis (seqlen, head_dim // 2)."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs_cis = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    # Sliced here, not by the caller: under sequence parallelism the block's input is a slice of
+    # the sequence while attention sees all of it.
+    freqs_cis = freqs_cis[: xq_.shape[1]].view(1, xq_.shape[1], 1, xq_.shape[-1])
     xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
@@ -310,7 +315,7 @@ class Transformer(nn.Module):
             raise RuntimeError("freqs_cis lost its imaginary part: was the model cast with "
                                ".to(dtype)? Use a mixed-precision policy instead")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs_cis = self.freqs_cis[: h.shape[1]]
+        freqs_cis = self.freqs_cis  # apply_rotary_emb slices it to the attention's sequence
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         h = self.norm(h) if self.norm is not None else h
