@@ -17,12 +17,15 @@ from core.optim.optimizer import lr_factor
 
 
 def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,
-                  batches=None) -> dict:
+                  batches=None, bf16: str = "autocast") -> dict:
     """Train cfg's model in this process on the global batch of cfg's layout.
 
     `batches`: an iterable of (inputs, labels) global batches; by default the trainer's data
     loader at dp degree 1 with local batch = dp x local batch (the same global batch).
-    Returns {"losses", "step_times_s", "tokens_per_step"}.
+    `bf16` (when training.mixed_precision_param is bfloat16): "autocast" as the trainer runs
+    without FSDP, or "params" as FSDP2's mixed precision does (forward and backward with bf16
+    copies of the fp32 parameters, fp32 gradients and update).
+    Returns {"losses", "step_times_s", "grad_norms" (before clipping), "tokens_per_step"}.
     """
     from core.train import model_args  # the same ModelArgs resolution as the trainer
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
@@ -44,8 +47,10 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
                             weight_decay=o.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.mixed_precision_param == "bfloat16")
-    losses, times = [], []
+    use_bf16 = t.mixed_precision_param == "bfloat16"
+    bf16_params = use_bf16 and bf16 == "params"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16 and not bf16_params)
+    losses, times, norms = [], [], []
     it = iter(batches)
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -54,15 +59,19 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
         for _ in range(t.grad_accum_steps):
             inputs, labels = next(it)
             with autocast:
-                logits = model(inputs)
+                if bf16_params:  # the cast is differentiable: grads arrive in fp32, like FSDP2's
+                    logits = torch.func.functional_call(
+                        model, {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}, (inputs,))
+                else:
+                    logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / t.grad_accum_steps
             loss.backward()
             total += loss.item()
         if t.max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)))
         opt.step()
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(total)
-    return {"losses": losses, "step_times_s": times,
+    return {"losses": losses, "step_times_s": times, "grad_norms": norms,
             "tokens_per_step": t.local_batch_size * dp * t.seq_len * t.grad_accum_steps}

@@ -24,6 +24,8 @@ from recipes.schema import MODES, TABLES, RecipeError
 EXTENSIONS: dict[str, str] = {
     "bench": "recipes.bench:bench",
     "parity": "recipes.parity:parity",
+    "convergence": "recipes.convergence:convergence",
+    "plan": "recipes.plan:plan",
 }
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
@@ -73,9 +75,15 @@ def main():
 @main.command("list")
 @click.option("--ids", is_flag=True, help="Only the ids, one per line.")
 @click.option("--table", type=click.Choice(TABLES), help="Only the rows of one table.")
-def list_cmd(ids, table):
+@click.option("--markdown", is_flag=True, help="A markdown table with each row's command, modes and "
+              "results link (the README's recipe table; machine independent).")
+def list_cmd(ids, table, markdown):
     """The recipe rows: id, table, row, paper GPUs, proxy world size, modes runnable here."""
     recipes = registry.by_table(table) if table else registry.all_recipes()
+    if markdown:
+        from recipes.readme import recipe_table
+        click.echo(recipe_table(recipes))
+        return
     if ids:
         for r in recipes:
             click.echo(r.id)

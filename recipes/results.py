@@ -3,7 +3,12 @@
 Records live in `<records_dir>/<mode>/<id__>.json` (mode: real, proxy, dry-run), one per recipe
 and mode, the latest run's. Each table gets `<table>.md` and `<table>.csv`: one line per paper
 row, the paper (and bench-2412) figures from the recipe files beside ours from the records.
-A cell with no record is empty. `README.md` indexes the tables and says how each number was made.
+A cell with no record is empty. `README.md` indexes the tables, the other results files
+(benchmarks, loss parity, dry-run, ...) when present, and says how each number was made.
+
+The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
+(step x row, recipes/convergence.py), so its table goes to `loss_convergence_table.csv`, and
+`loss_convergence.md` carries the table, the curves' check and a link to the plot.
 """
 from __future__ import annotations
 
@@ -84,10 +89,49 @@ def _max_loss_delta(rec: dict, base: dict) -> float | None:
 def _dry_mem(rec: dict | None) -> float | None:
     if rec is None:
         return None
-    for key in ("estimated_peak_memory_gib", "peak_memory_gib"):
+    for key in ("estimated_peak_gib", "estimated_peak_memory_gib", "peak_memory_gib"):
         if _num(rec.get(key)) is not None:
             return _num(rec.get(key))
     return None
+
+
+TECHNIQUE_NAMES = {"compile": "compile", "float8": "Float8", "async_tp": "AsyncTP", "fsdp": "FSDP",
+                   "tp": "TP", "cp": "CP"}
+
+
+def gain_of(recipe: Recipe) -> str | None:
+    """What a row adds over its baseline, from the techniques lists: `compile + Float8`,
+    `AsyncTP`, `Interleaved1F1B (vs 1F1B)`."""
+    if not recipe.baseline:
+        return None
+    base = registry.get(recipe.baseline).techniques
+    added = [t for t in recipe.techniques if t not in base]
+    names = []
+    for t in added:
+        if t.startswith("pp:"):
+            old = [b[3:] for b in base if b.startswith("pp:")]
+            names.append(t[3:] + (f" (vs {old[0]})" if old else ""))
+        else:
+            names.append(TECHNIQUE_NAMES.get(t, t))
+    return " + ".join(names) or None
+
+
+def versions_text(rec: dict) -> str:
+    v = rec.get("versions") or {}
+    parts = [f"torch {v['torch']}" if v.get("torch") else "",
+             f"torchao {v['torchao']}" if v.get("torchao") else "",
+             f"git {v['git']}" if v.get("git") else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def skipped_text(rec: dict) -> str:
+    """Toggles a record asked for but could not apply here, with the reason (e.g. AsyncTP on CPU):
+    a gain measured without its technique says so beside the number."""
+    return "; ".join(f"{k} skipped: {v}" for k, v in (rec.get("toggles_skipped") or {}).items())
+
+
+def table_csv_name(table: str) -> str:
+    return "loss_convergence_table.csv" if table == "loss_convergence" else f"{table}.csv"
 
 
 # ------------------------------------------------------------------------------------ tables
@@ -98,6 +142,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
     loss_table = table == "loss_convergence"
     has_bench = any("bench_tps_per_gpu" in r.reference or "bench_mem_gib" in r.reference
                     for r in recipes)
+    has_pp = any(r.degrees("real")["pp"] > 1 for r in recipes)
     rows = []
     for r in recipes:
         ref, ours, dry = r.reference, _ours(records, r.id), records.get((r.id, "dry-run"))
@@ -114,6 +159,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
                 row["bench-2412 TPS/GPU"] = _num(ref.get("bench_tps_per_gpu"))
                 row["bench-2412 mem GiB"] = _num(ref.get("bench_mem_gib"))
             if has_baseline:
+                row["gain of"] = gain_of(r)
                 row["paper gain %"] = _gain(_num(ref.get("paper_tps_per_gpu")),
                                             _num(base_ref.get("paper_tps_per_gpu")) if base_ref else None)
         tps = _num(ours.get("tokens_per_sec_per_device")) if ours else None
@@ -121,6 +167,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
         row.update({
             "ours mode": ours.get("mode") if ours else None,
             "ours hardware": (ours.get("hardware") or {}).get("device") if ours else None,
+            "ours versions": versions_text(ours) if ours else None,
             "ours world": ours.get("world_size") if ours else None,
             "ours TPS/device": tps,
             "ours MFU %": 100.0 * mfu if mfu is not None else None,
@@ -134,6 +181,10 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
         elif has_baseline:
             base_tps = _num(base_ours.get("tokens_per_sec_per_device")) if base_ours else None
             row["ours gain %"] = _gain(tps, base_tps) if r.baseline else None
+        if has_pp:
+            bubble = _num(ours.get("pp_bubble_fraction")) if ours else None
+            row["ours PP bubble %"] = 100.0 * bubble if bubble is not None else None
+        row["ours notes"] = (skipped_text(ours) or None) if ours else None
         row["dry-run est. mem GiB"] = _dry_mem(dry)
         row["recipe"] = r.id
         rows.append(row)
@@ -155,7 +206,7 @@ def _fmt_cell(col: str, value: Any, approx: bool = False) -> str:
         return f"{value:,.0f}" if value >= 100 else f"{value:,.3g}"
     if "mem GiB" in col:
         return ("~" if approx else "") + f"{value:.1f}" if value >= 1 else f"{value:.3f}"
-    if col == "ours MFU %":
+    if col in ("ours MFU %", "ours PP bubble %"):
         return f"{value:.1f}"
     if "loss" in col:
         return f"{value:.4f}" if "Δ" not in col else f"{value:.2e}"
@@ -181,7 +232,8 @@ README_HOW = """\
   `shared/reference/paper_tables.md`: the TorchTitan paper (arXiv 2410.06511) and the public
   benchmark file `llama3_h100_202412_torchtitan`. H100 GPUs; throughput read at iteration 90;
   memory = peak reserved GiB, max over ranks. `~` marks the less certain paper memory figures.
-  `paper gain %` is computed from the paper's throughput column against the row's baseline.
+  `paper gain %` is computed from the paper's throughput column against the row's baseline;
+  `gain of` names what the row adds over that baseline (compile, Float8, AsyncTP, a schedule).
 - **ours**: read from the result records in `records/<mode>/<recipe>.json`, written by the
   trainer (`python -m core.train`, launched by `run-recipe run`). The real record wins over
   the proxy record when both exist; `ours mode` says which one a line shows.
@@ -197,9 +249,17 @@ README_HOW = """\
     reports no MFU with Float8).
   - `ours peak mem GiB`: max over ranks of CUDA max reserved memory (real) or the process's
     peak RSS (CPU proxy).
+  - `ours hardware`, `ours versions`: the device, torch, torchao and git commit of the record.
   - `ours gain %`: our throughput against our record of the baseline row, same mode only.
+    On a CPU proxy Float8 runs emulated-speed `_scaled_mm` (~3x slower than bf16) and compile
+    gains depend on tiny shapes: the sign and size describe this CPU, not an H100.
+  - `ours PP bubble %`: the schedule's ideal idle fraction from its own action table
+    (`pp_bubble_fraction` of the record; hardware independent).
+  - `ours notes`: toggles the row asks for that could not run here, with the reason (AsyncTP
+    needs CUDA symmetric memory): a gain measured without its technique says so.
   - `max |Δloss| vs baseline` (loss convergence): the largest per-step difference from the
-    baseline (1D) record of the same mode and step count.
+    baseline (1D) record of the same mode and step count. The curves' check (smoothed,
+    trailing window, stated tolerance) is in `loss_convergence.md`.
 - **dry-run est. mem GiB**: `core.estimate.dry_run` at true scale (fake process group, fake
   tensors), from `records/dry-run/`.
 
@@ -219,21 +279,33 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
         recipes = registry.by_table(table)
         df = table_frame(table, records, recipes)
         meta = info.get(table, {})
-        df.to_csv(out / f"{table}.csv", index=False)
+        csv_name = table_csv_name(table)
+        df.to_csv(out / csv_name, index=False)
         n_ours = int(df["ours mode"].notna().sum())
         md = [f"# {meta.get('title', table)}", "", meta.get("caption", ""), "",
               to_markdown(df, recipes), "",
               f"{n_ours} of {len(df)} rows have a record of ours. How the numbers were made: "
               "[README.md](README.md).", ""]
+        written += [out / f"{table}.md", out / csv_name]
+        if table == "loss_convergence":
+            from recipes import convergence  # the curves, their plot and check: from the same records
+            proxy = {rid: rec for (rid, mode), rec in records.items()
+                     if mode == "proxy" and rid in {r.id for r in recipes}}
+            files, section = convergence.write_outputs(proxy, out)
+            written += files
+            md += [section]
         (out / f"{table}.md").write_text("\n".join(md))
-        written += [out / f"{table}.md", out / f"{table}.csv"]
-        index.append((table, meta.get("title", table), len(df), n_ours))
+        index.append((table, meta.get("title", table), len(df), n_ours, csv_name))
 
     lines = ["# Results", "",
              "Generated by `run-recipe results` from the records in "
              f"`{_rel(Path(records_dir), out)}` only. Do not edit by hand.", "",
              "| table | rows | rows with our record |", "|---|---|---|"]
-    lines += [f"| [{title}]({t}.md) ([csv]({t}.csv)) | {n} | {k} |" for t, title, n, k in index]
+    lines += [f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} |" for t, title, n, k, c in index]
+    others = _other_files(out, set(written))
+    if others:
+        lines += ["", "## Other results", "", "| file | what |", "|---|---|"]
+        lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
     lines += ["", README_HOW, "## Records used", ""]
     if records:
         rec_rows = []
@@ -242,7 +314,8 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
             rec_rows.append({"recipe": rid, "mode": mode,
                              "hardware": (rec.get("hardware") or {}).get("device", ""),
                              "world": rec.get("world_size", ""), "steps": rec.get("steps", ""),
-                             "torch": v.get("torch", ""), "git": v.get("git", ""),
+                             "torch": v.get("torch", ""), "torchao": v.get("torchao", ""),
+                             "git": v.get("git", ""),
                              "finished": rec.get("finished_at", "")})
         lines.append(pd.DataFrame(rec_rows).astype(str).to_markdown(index=False, disable_numparse=True))
     else:
@@ -250,6 +323,34 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
     (out / "README.md").write_text("\n".join(lines) + "\n")
     written.append(out / "README.md")
     return written
+
+
+# Results files other commands write; indexed when present (anything else found is listed too).
+OTHER_FILES = {
+    "loss_convergence.png": "loss curves of the four loss-convergence layouts (`run-recipe convergence`)",
+    "loss_convergence.csv": "their per-step losses: step, one column per row",
+    "golden/loss_convergence.json": "golden loss-convergence curves + versions (regression test prefix)",
+    "dry_run.md": "true-scale dry-run memory per rank vs the paper (`run-recipe run ID --mode dry-run`)",
+    "dry_run.csv": "the same as CSV",
+    "loss_parity.md": "loss parity of every N-D layout vs one process (`run-recipe parity`)",
+    "loss_parity.csv": "the same as CSV",
+    "toggles.md": "activation checkpointing, compile, Float8, AsyncTP: effect and status",
+    "benchmarks.csv": "trainer overhead, proxy MFU, FSDP memory per rank (`run-recipe bench`)",
+    "checkpoint_overhead.csv": "DCP save/load times, sync vs async",
+}
+
+
+def _other_files(out: Path, written: set[Path]) -> list[tuple[str, str]]:
+    found = []
+    generated = {p.name for p in written} | {"README.md"}  # the tables, indexed above
+    for name, what in OTHER_FILES.items():
+        if (out / name).is_file():
+            found.append((name, what))
+    known = {n for n, _ in found} | generated
+    for path in sorted(out.glob("*")):
+        if path.is_file() and path.suffix in (".md", ".csv", ".png", ".json") and path.name not in known:
+            found.append((path.name, ""))
+    return found
 
 
 def _rel(path: Path, start: Path) -> str:

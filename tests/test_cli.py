@@ -173,8 +173,11 @@ def test_results_from_records_only(tmp_path):
     out = tmp_path / "results"
     res = invoke("results", "--records-dir", str(rec), "--out", str(out))
     assert res.exit_code == 0, res.output
-    for table in ("table1", "table2", "table3", "table4", "table5", "loss_convergence"):
+    for table in ("table1", "table2", "table3", "table4", "table5"):
         assert (out / f"{table}.md").is_file() and (out / f"{table}.csv").is_file()
+    # loss_convergence.csv holds the curves (step x row); its table is loss_convergence_table.csv
+    assert (out / "loss_convergence.md").is_file() and (out / "loss_convergence_table.csv").is_file()
+    assert list(pd.read_csv(out / "loss_convergence.csv").columns) == ["step", "1d_fsdp8", "2d_fsdp8_cp8"]
     t1 = pd.read_csv(out / "table1.csv").set_index("recipe")
     assert len(t1) == 6
     assert t1.loc[base, "ours TPS/device"] == 1000.0 and t1.loc[base, "ours mode"] == "proxy"
@@ -186,7 +189,7 @@ def test_results_from_records_only(tmp_path):
     assert missing["paper TPS/GPU"] == 5645  # the paper column is always there
     t4 = pd.read_csv(out / "table4.csv")
     assert t4["ours TPS/device"].isna().all() and len(t4) == 4
-    lcv = pd.read_csv(out / "loss_convergence.csv").set_index("recipe")
+    lcv = pd.read_csv(out / "loss_convergence_table.csv").set_index("recipe")
     assert lcv.loc[lc + "2d_fsdp8_cp8", "max |Δloss| vs baseline"] == pytest.approx(2e-6, rel=1e-3)
     md = (out / "table1.md").read_text()
     assert "~81.9" in md and "+25.00%" in md and "2 of 6 rows" in md

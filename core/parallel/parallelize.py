@@ -1,5 +1,5 @@
 """Apply every parallelism and toggle to one model (or one pipeline stage), in the order
-PyTorch's composability needs: TP/SP -> Float8 -> activation checkpointing -> per-block
+PyTorch's composability needs: Float8 -> TP/SP (+ AsyncTP) -> activation checkpointing -> per-block
 compile -> FSDP2. Each step is one small module; this file only decides which ones run.
 """
 from __future__ import annotations
@@ -29,15 +29,20 @@ class Toggles:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
                 toggles: Toggles) -> nn.Module:
+    if cfg.float8.enabled:
+        # Before TP: torchao's float8 TP styles (float8 all-gather) only accept Float8Linear.
+        from core.optim.float8 import apply_float8
+        apply_float8(model, cfg, toggles)
     if dims.tp > 1:
         from core.parallel.tensor import apply_tp
         apply_tp(model, mesh["tp"], cfg, toggles)
-    if cfg.float8.enabled:
-        from core.optim.float8 import apply_float8
-        apply_float8(model, cfg, toggles)
+        if cfg.parallelism.enable_async_tp:
+            from core.optim.async_tp import apply_async_tp
+            apply_async_tp(mesh["tp"], cfg, toggles)
     if cfg.activation_checkpoint.mode != "none":
         from core.optim.activation_checkpoint import apply_ac
-        apply_ac(model, cfg.activation_checkpoint, toggles)
+        apply_ac(model, cfg.activation_checkpoint, toggles,
+                 save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm)
     if cfg.compile.enabled:
         from core.optim.compile import apply_compile
         apply_compile(model, cfg.compile, toggles)

@@ -1,0 +1,228 @@
+"""`run-recipe plan`: propose FSDP / TP / PP / CP degrees for a model, a GPU count and a sequence
+length, checked by the dry-run memory accounting (`core.estimate.estimate_memory`).
+
+The paper's guidance, as rules (each candidate's violations are printed with it):
+
+1. FSDP first: one dimension over all GPUs while it fits and the FSDP group stays at most
+   FSDP_MAX_GROUP ranks (the paper's largest 1D row has 128 GPUs; beyond, its 2D row starts:
+   all-gathers over hundreds of ranks are latency-bound and the global batch grows with them).
+2. TP within a node (degree <= GPUs per node: its collectives need NVLink) when FSDP alone does
+   not fit or its group would be too large. A TP degree that does not divide the model's heads
+   and KV heads is rejected by the config validation.
+3. PP across nodes when FSDP x TP still does not fit (the largest models): 1F1B, one microbatch
+   per stage.
+4. CP for long context: only when the sequence is long (>= LONG_CONTEXT tokens) and the
+   layouts without it do not fit.
+5. Activation checkpointing: the cheapest mode that fits (none, then selective op, then full).
+
+Ranking: fits in --gpu-mem, then fewest rule violations, then fewest dimensions besides FSDP
+(TP before PP before CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most
+headroom.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+FSDP_MAX_GROUP = 128
+LONG_CONTEXT = 32768
+AC_ORDER = (("none", "op"), ("selective", "op"), ("full", "op"))  # cheapest recompute first
+
+
+@dataclasses.dataclass
+class Candidate:
+    degrees: dict
+    ac: str
+    local_batch: int
+    microbatches: int
+    estimate_gib: float
+    fits: bool
+    violations: list[str]
+    peak_at: str
+    breakdown: dict
+
+    @property
+    def dims_used(self) -> int:
+        return sum(1 for k in ("dp_shard", "tp", "pp", "cp") if self.degrees[k] > 1)
+
+    def key(self):
+        # FSDP first, then TP, then PP, then CP: fewer non-FSDP dimensions, and TP before PP
+        # before CP; then the cheapest AC, the shortest pipeline, the widest TP, the most headroom.
+        d = self.degrees
+        extra = [d["tp"] > 1, d["pp"] > 1, d["cp"] > 1]
+        ac_rank = ["none", "selective", "full"].index(self.ac)
+        return (not self.fits, len(self.violations), sum(extra), extra[2], extra[1], ac_rank, d["pp"],
+                d["cp"], -d["tp"], self.estimate_gib)
+
+    def layout(self) -> str:
+        names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
+        parts = [f"{names[k]} {self.degrees[k]}" for k in ("dp_shard", "tp", "pp", "cp")
+                 if self.degrees[k] > 1]
+        return " x ".join(parts) or "1 GPU"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def base_config(model: str, seq: int, local_batch: int):
+    """The paper's shared setup (bf16 params, fp32 reduce, AdamW) for a model and sequence."""
+    from core.config import JobConfig
+    cfg = JobConfig()
+    cfg.model.flavor = model
+    cfg.training.seq_len = seq
+    cfg.training.local_batch_size = local_batch
+    cfg.training.mixed_precision_param = "bfloat16"
+    cfg.training.mixed_precision_reduce = "float32"
+    cfg.data.dataset = "synthetic"
+    cfg.job.mode = "dry-run"
+    return cfg
+
+
+def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int | None = None,
+               gpus_per_node: int = 8, compile_: bool = True, float8: bool = False,
+               global_batch: int | None = None) -> list[Candidate]:
+    """Every valid (dp_shard, tp, pp, cp) layout of `gpus` GPUs with the cheapest AC that fits
+    (or full AC when none does), ranked (best first). The batch: `local_batch` sequences per
+    data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
+    (one per stage with PP)."""
+    from core.config import ConfigError, validate
+    from core.estimate import ALLOCATOR_GAP_GIB, estimate_memory
+    from core.models.llama3 import FLAVORS
+
+    args = FLAVORS[model]
+    out = []
+    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
+        for cp in [c for c in _divisors(gpus // tp) if c == 1 or (c & (c - 1) == 0 and c <= 16)]:
+            for pp in [p for p in _divisors(gpus // (tp * cp)) if p <= args.n_layers // 2 or p == 1]:
+                dp = gpus // (tp * cp * pp)
+                if global_batch:
+                    if global_batch % dp:
+                        continue
+                    lb = global_batch // dp
+                else:
+                    lb = local_batch or max(1, pp)
+                if pp > 1 and lb % pp:
+                    continue
+                best = None
+                for mode, opt in AC_ORDER:
+                    cfg = base_config(model, seq, lb)
+                    p = cfg.parallelism
+                    p.dp_shard, p.tp, p.pp, p.cp, p.world_size = dp, tp, pp, cp, gpus
+                    p.pp_schedule, p.pp_microbatches = "1F1B", (pp if pp > 1 else 0)
+                    cfg.activation_checkpoint.mode = mode
+                    cfg.activation_checkpoint.selective_ac_option = opt
+                    cfg.activation_checkpoint.save_every_other_mm = True
+                    cfg.compile.enabled = compile_
+                    cfg.float8.enabled = float8
+                    try:
+                        validate(cfg, check_files=False)
+                    except ConfigError:
+                        break  # the layout itself is invalid: no AC mode helps
+                    est = estimate_memory(cfg, gpu_gib=gpu_mem)
+                    # Uncapped: a plan needs the allocator's usual slack, not its retry path.
+                    need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
+                    cand = Candidate({"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp}, mode, lb,
+                                     p.pp_microbatches or 1, need, need <= gpu_mem, [], est["peak_at"],
+                                     est["breakdown"])
+                    best = cand
+                    if cand.fits:
+                        break
+                if best is None:
+                    continue
+                best.violations = _violations(best, seq, gpus_per_node)
+                out.append(best)
+    return sorted(out, key=Candidate.key)
+
+
+def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
+    d, v = c.degrees, []
+    fsdp_group = d["dp_shard"] * d["cp"]
+    if fsdp_group > FSDP_MAX_GROUP:
+        v.append(f"FSDP group of {fsdp_group} ranks > {FSDP_MAX_GROUP}: latency-bound collectives, "
+                 "add TP within the node")
+    if d["cp"] > 1 and seq < LONG_CONTEXT:
+        v.append(f"CP at {seq} tokens: context parallel is for long sequences (>= {LONG_CONTEXT})")
+    if d["tp"] > 1 and d["tp"] * d["cp"] > gpus_per_node:
+        v.append("TP x CP spans nodes")
+    return v
+
+
+def paper_layouts(model: str, gpus: int, seq: int) -> list:
+    """The paper's rows with this model, GPU count and sequence length."""
+    from recipes import registry
+    rows = []
+    for r in registry.all_recipes():
+        if r.gpus != gpus:
+            continue
+        cfg = r.job_config("real")
+        if cfg.model.flavor == model and cfg.training.seq_len == seq:
+            rows.append((r, cfg))
+    return rows
+
+
+@click.command("plan")
+@click.option("--model", type=click.Choice(["8B", "70B", "405B"]), required=True)
+@click.option("--gpus", type=int, required=True, help="World size.")
+@click.option("--seq", type=int, default=8192, show_default=True, help="Sequence length.")
+@click.option("--gpu-mem", type=float, default=80.0, show_default=True, help="GiB per GPU.")
+@click.option("--local-batch", type=int, default=None,
+              help="Sequences per data-parallel rank (default: 1, or one per stage with PP).")
+@click.option("--global-batch", type=int, default=None,
+              help="Sequences per step, split over the data-parallel ranks of each layout "
+                   "(instead of --local-batch).")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--top", type=int, default=10, show_default=True, help="Candidates to print.")
+@click.option("--no-compile", is_flag=True, help="Estimate eager memory (default: per-block compile).")
+@click.option("--float8", is_flag=True, help="Float8 linears with float8 FSDP all-gather.")
+def plan(model, gpus, seq, gpu_mem, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
+    """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs, ranked by the paper's guidance and
+    checked by the dry-run memory estimate."""
+    from tabulate import tabulate
+    if gpus < 1 or seq < 2 or gpu_mem <= 0 or any(b is not None and b < 1 for b in (local_batch, global_batch)):
+        raise click.BadParameter("--gpus, --seq, --gpu-mem and the batch sizes must be positive")
+    if local_batch and global_batch:
+        raise click.BadParameter("give --local-batch or --global-batch, not both")
+    ranked = candidates(model, gpus, seq, gpu_mem, local_batch, gpus_per_node, not no_compile, float8,
+                        global_batch)
+    if not ranked:
+        raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
+    rows = []
+    for i, c in enumerate(ranked[:top], 1):
+        ac = c.ac if c.ac != "selective" else "selective op"
+        rows.append([i, c.layout(), c.local_batch, ac, f"{c.estimate_gib:.1f}", "yes" if c.fits else "no",
+                     "; ".join(c.violations) or "-"])
+    click.echo(f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
+               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.estimate):")
+    click.echo(tabulate(rows, headers=["#", "layout", "local batch", "AC", "est. GiB", "fits", "against the guidance"]))
+    best = ranked[0]
+    click.echo(f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
+               + ("" if best.fits else "  (nothing fits: the least memory is shown)"))
+    for r, cfg in paper_layouts(model, gpus, seq):
+        p = cfg.parallelism
+        want = {"dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "cp": p.cp}
+        pos = next((i for i, c in enumerate(ranked, 1) if c.degrees == want), None)
+        lb = cfg.training.local_batch_size
+        if pos == 1:
+            click.echo(f"paper ({r.id}): the same layout.")
+            continue
+        if pos is None:
+            click.echo(f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
+                       f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})")
+            continue
+        c = ranked[pos - 1]
+        why = [f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}"
+               + ("" if c.fits else " (does not fit)")]
+        if c.local_batch != lb:
+            why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
+        if c.fits and best.fits:
+            why.append(f"{best.layout()} also fits and the rules prefer it (fewer dimensions besides "
+                       "FSDP, TP before PP, cheaper AC); this advisor weighs memory, not the cross-node "
+                       "communication the paper's extra dimensions save")
+        click.echo(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
+
+
+def _paper_layout(d: dict) -> str:
+    names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
+    return " x ".join(f"{names[k]} {v}" for k, v in d.items() if v > 1) or "1 GPU"

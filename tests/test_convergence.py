@@ -1,0 +1,114 @@
+"""Loss convergence: the check on curves (fast, hand-made records), and the regression test that
+re-runs the first PREFIX_STEPS steps of each row through the launcher and compares them with the
+golden curves (results/golden/loss_convergence.json, written by `run-recipe convergence`)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from recipes import convergence as conv
+from recipes import registry
+
+pytestmark = pytest.mark.dryrun
+
+IDS = [r.id for r in conv.rows()]
+BASE = conv.control().id
+
+
+def _records(offsets: dict[str, float], steps: int = 200, noise: float = 0.1) -> dict[str, dict]:
+    """A decaying loss with deterministic batch noise shared by every layout, plus a per-row offset
+    (and a small per-row jitter) from step 1 on."""
+    recs = {}
+    for k, r in enumerate(conv.rows()):
+        cfg = r.job_config("proxy").to_dict()
+        cfg["training"]["steps"] = steps
+        base = [8.3 * math.exp(-i / 40) + 4.0 + noise * math.sin(7.3 * i) for i in range(steps)]
+        jitter = [0.01 * math.sin(3.1 * i + k) for i in range(steps)]
+        off = offsets.get(r.id, 0.0)
+        recs[r.id] = {"recipe": r.id, "mode": "proxy", "config": cfg, "world_size": 2,
+                      "losses": [b + j + off for b, j in zip(base, jitter)],
+                      "versions": {"torch": "x"}, "hardware": {"device": "cpu"}, "wall_s": 1.0}
+    return recs
+
+
+def test_rows_share_global_batch_and_token_order():
+    """The premise of comparing curves: same dp degree, local batch, seq, steps, schedule, data."""
+    cfgs = {rid: registry.get(rid).job_config("proxy") for rid in IDS}
+    for rid, cfg in cfgs.items():
+        assert not conv.comparable({"config": cfg.to_dict()}, {"config": cfgs[BASE].to_dict()}), rid
+        assert cfg.training.steps >= 500 and cfg.training.mixed_precision_param == "bfloat16"
+        assert cfg.training.mixed_precision_reduce == "float32" and cfg.data.dataset == "c4_offline"
+        assert cfg.lr_scheduler.warmup_steps * 5 == cfg.training.steps
+    four_d = cfgs["llama3_8b/loss_convergence/4d_fsdp8_tp2_pp2_cp2"].parallelism
+    assert (four_d.dp_shard, four_d.tp, four_d.pp, four_d.cp, four_d.pp_schedule) == (2, 2, 2, 2, "Interleaved1F1B")
+
+
+def test_check_passes_within_tolerance_and_fails_on_an_offset():
+    nd = [rid for rid in IDS if rid != BASE]
+    ok = conv.check(_records({nd[0]: 0.02}))
+    assert [r["status"] for r in ok] == ["pass"] * 3
+    off = {r["recipe"]: r for r in ok}[nd[0]]
+    assert off["mean_abs_diff_smoothed"] == pytest.approx(0.02, abs=0.01)
+    bad = {r["recipe"]: r for r in conv.check(_records({nd[1]: 3 * conv.TOLERANCE}))}
+    assert bad[nd[1]]["status"] == "FAIL" and bad[nd[1]]["passed"] is False
+    assert bad[nd[1]]["mean_abs_diff_smoothed"] == pytest.approx(3 * conv.TOLERANCE, rel=0.2)
+    assert bad[nd[0]]["passed"] and bad[nd[2]]["passed"]
+
+
+def test_check_refuses_incomparable_or_missing_records():
+    recs = _records({})
+    changed = copy.deepcopy(recs)
+    changed[IDS[1]]["config"]["training"]["local_batch_size"] = 8  # a different global batch
+    res = {r["recipe"]: r for r in conv.check(changed)}
+    assert res[IDS[1]]["passed"] is False and "training.local_batch_size" in res[IDS[1]]["status"]
+    del recs[IDS[2]]
+    res = {r["recipe"]: r for r in conv.check(recs)}
+    assert res[IDS[2]]["status"] == "no record" and res[IDS[2]]["passed"] is None
+
+
+def test_outputs_csv_png_and_markdown(tmp_path):
+    files, md = conv.write_outputs(_records({}), tmp_path)
+    assert {p.name for p in files} == {"loss_convergence.csv", "loss_convergence.png"}
+    df = pd.read_csv(tmp_path / "loss_convergence.csv")
+    assert list(df.columns) == ["step"] + [conv.column(rid) for rid in IDS]
+    assert df["step"].tolist() == list(range(1, 201))
+    assert (tmp_path / "loss_convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"tolerance {conv.TOLERANCE:g} nats" in md and "3 of 3 N-D layouts within tolerance" in md
+
+
+def test_prefix_stays_inside_warmup():
+    assert conv.prefix_overrides()[0] == f"training.steps={conv.PREFIX_STEPS}"
+    warmup = conv.control().job_config("proxy").lr_scheduler.warmup_steps
+    with pytest.raises(ValueError, match="warmup"):
+        conv.prefix_overrides(warmup + 1)
+
+
+# ------------------------------------------------------------------------- golden regression
+GOLDEN = conv.golden_path()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rid", IDS)
+def test_prefix_matches_golden(rid, tmp_path):
+    """Re-run the first PREFIX_STEPS steps of the row (the same config as the golden run; the LR in
+    warmup does not depend on training.steps) and compare per step with the golden curve."""
+    assert GOLDEN.is_file(), f"{GOLDEN} is missing: run `run-recipe convergence` to create it"
+    golden = json.loads(GOLDEN.read_text())
+    k, tol = golden["prefix_steps"], golden["prefix_tolerance"]
+    assert tol <= conv.PREFIX_TOLERANCE
+    gold = golden["rows"][rid]["losses"][:k]
+    t0 = time.perf_counter()
+    rec, _ = conv.run_row(registry.get(rid), conv.prefix_overrides(k), run_dir=tmp_path / "run", echo=False)
+    diff = max(abs(a - b) for a, b in zip(rec["losses"], gold))
+    print(f"{rid}: {k} steps in {time.perf_counter() - t0:.0f} s, max |Δ| vs golden {diff:.2e} "
+          f"(tolerance {tol:g}; golden made with {golden['versions']})")
+    assert len(rec["losses"]) == k
+    assert rec["toggles_applied"] == golden["rows"][rid]["toggles_applied"]
+    assert diff <= tol, (f"{rid}: first {k} losses drift {diff:.2e} > {tol:g} from the golden curve\n"
+                         f"ours   {rec['losses']}\ngolden {gold}")
