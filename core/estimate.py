@@ -508,9 +508,13 @@ def _snapshot_gib(tracker) -> dict[str, float]:
     return {str(getattr(k, "value", k)).lower().replace(" ", "_"): v / GIB for k, v in snap[dev].items()}
 
 
-def fake_step(cfg, track: bool | None = None, pp_rank: int = 0) -> dict:
+def fake_step(cfg, track: bool | None = None, pp_rank: int = 0, isolate: bool = True) -> dict:
     """Build the row's layout as rank `pp_rank * world / pp` sees it and run one training step
     under FakeTensorMode (a warm-up step, then a tracked one when `track`).
+
+    isolate: in a fresh (spawned) process. torch keeps process-wide state across fake steps
+    (process-group names in cached meshes, context-parallel dispatch), and a second CP x TP x PP
+    layout in the same process can see the first one's: each row gets its own interpreter.
 
     track None: track when there is no pipeline (a PP rank's schedule under the tracker takes
     several minutes at 405B scale). The tracker covers forward + backward + clipping; the AdamW
@@ -518,6 +522,12 @@ def fake_step(cfg, track: bool | None = None, pp_rank: int = 0) -> dict:
     foreach sharding propagation creates under FakeTensorMode as allocations (13x the states).
     Returns what composed, what was applied / skipped / modelled, timings and the tracker peak.
     """
+    if isolate:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fake_step, cfg, track, pp_rank, False).result()
+
     from core.parallel.mesh import ParallelDims
 
     cfg = copy.deepcopy(cfg)
@@ -612,6 +622,8 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
             if post_opt is not None:
                 post_opt(tr.model_parts)
             step_s.append(time.perf_counter() - t1)
+    if dims.cp > 1:  # the trainer's CP context ran around forward and backward (not a toggle there)
+        out["toggles_applied"].append(f"cp:{cfg.parallelism.cp_rotate_method}")
     out.update(composes=True, build_s=round(build_s, 2), step_s=[round(x, 2) for x in step_s])
     return out
 

@@ -58,7 +58,7 @@ def test_8b_table1_row_through_the_cli(tmp_path):
     assert abs(rec["tracker_check"]["difference_pct"]) < 1.0
     assert parts_sum(rec) == pytest.approx(rec["estimated_peak_gib"], abs=0.02)
     assert rec["breakdown"]["params"] == pytest.approx(8.03e9 * 4 / 8 / 2 ** 30, rel=0.01)
-    assert rec["breakdown"]["optimizer"] == pytest.approx(2 * rec["breakdown"]["params"], rel=1e-6)
+    assert rec["breakdown"]["optimizer"] == pytest.approx(2 * rec["breakdown"]["params"], abs=2e-3)  # parts are rounded to 1e-3 GiB
 
 
 @pytest.mark.slow

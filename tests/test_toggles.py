@@ -117,6 +117,28 @@ def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
     assert counters["stats"]["unique_graphs"] - frames_before == 1
 
 
+def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
+    """Full AC around a block holding DTensors (TP): checkpoint eager, the block compiled inside;
+    otherwise (plain block, or op SAC) the checkpoint is compiled with the block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from core.config import Compile
+    from core.optim.activation_checkpoint import wrap_block
+    from core.optim.compile import compile_block
+    mesh = init_device_mesh("cpu", (1,))
+    plain, tp_block = tiny_model().layers["0"], tiny_model().layers["0"]
+    wq = tp_block.attention.wq
+    wq.weight = torch.nn.Parameter(distribute_tensor(wq.weight.detach(), mesh, [Replicate()]))
+    out = compile_block(wrap_block(tp_block, "full"), Compile(enabled=True))
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    assert isinstance(out, CheckpointWrapper) and isinstance(out._checkpoint_wrapped_module, compiled)
+    for block in (wrap_block(plain, "full"), wrap_block(tp_block, "op")):
+        out = compile_block(block, Compile(enabled=True))
+        assert isinstance(out, compiled) and isinstance(out._orig_mod, CheckpointWrapper)
+
+
 def test_compile_uses_the_project_cache_dir(monkeypatch):
     from core.optim import compile as compile_mod
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -144,11 +166,13 @@ def test_compile_composes_with_fsdp2(tmp_path, reference_fp32):
 
 @pytest.mark.slow
 def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path, reference_fp32):
-    """The case that failed before the fix ('Tensor' object has no attribute '_local_tensor'):
-    per-block compile with TP 2. AsyncTP asked for in proxy mode: recorded as skipped."""
+    """The two cases torch 2.13 broke, fixed in core.optim.compile: per-block compile with TP 2
+    ('Tensor' object has no attribute '_local_tensor'), and with full AC on top (AOTAutograd
+    saving a DeviceMesh). AsyncTP asked for in proxy mode: recorded as skipped, with the reason."""
     rec = run_trainer(2, _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
+                                           "--activation_checkpoint.mode=full",
                                            "--parallelism.enable_async_tp=true"], tmp_path)
-    assert {"compile", "tp"} <= set(rec["toggles_applied"])
+    assert {"compile", "tp", "ac:full"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
     assert "async_tp" not in rec["toggles_applied"]
     assert "CUDA" in rec["toggles_skipped"]["async_tp"] and "NVSwitch" in rec["toggles_skipped"]["async_tp"]

@@ -66,7 +66,8 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     DeviceMesh (a graph input of the DTensor redistributes that backward recomputes) among the
     tensors for backward and fails ("expected all tensors_saved_with_vc_check to be Tensors").
     There the checkpoint stays eager around the compiled block: the same recompute-everything
-    semantics (the compiled forward's saved tensors go through checkpoint's pack hooks), losses
+    semantics (the compiled forward's saved tensors go through checkpoint's pack hooks; debug
+    proxy: 57 MB saved for backward, as eager full AC, vs 460 MB compiled without AC), losses
     identical. Op-level SAC with TP compiles fine and stays inside.
     """
     if getattr(block, "ac_mode", None) == "full" and _holds_dtensors(block):
