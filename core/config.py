@@ -109,6 +109,8 @@ class Compile:
     enabled: bool = False
     backend: str = "inductor"
     fullgraph: bool = True
+    # Round fused bf16 intermediates as eager does (inductor keeps them in fp32): for parity checks.
+    emulate_precision_casts: bool = False
 
 
 @dataclass

@@ -840,7 +840,8 @@ def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in b.items() if v >= 0.05)
         fs = rec.get("fake_step") or {}
         not_run = sorted({**fs.get("toggles_skipped", {}), **fs.get("toggles_modelled", {})})
-        table.append([r["recipe"], r["world_size"], _fmt(r["estimated_peak_gib"]), _fmt(r["paper_gib"]),
+        est = _fmt(r["estimated_peak_gib"]) + (" (does not fit)" if rec.get("fits_gpu") is False else "")
+        table.append([r["recipe"], r["world_size"], est, _fmt(r["paper_gib"]),
                       _fmt(r["bench_gib"]),
                       "" if r["error_pct"] is None else f"{r['error_pct']:+.1f}%",
                       {True: "yes", False: "NO", None: "not run"}[rec.get("composes")],
@@ -855,7 +856,9 @@ def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
               "`toggles_modelled`): compile (inductor cannot compile fake tensors; its memory effect is "
               "in the accounting), async_tp (symmetric memory needs CUDA), float8_tp (gloo cannot "
               "all-gather float8; the accounting takes the CUDA run's float8 all-gather). Fake-step "
-              "seconds are wall time on a shared 2-core machine."]
+              "seconds are wall time on a shared 2-core machine. \"does not fit\": more than the paper "
+              f"GPU's {PAPER_GPU_GIB:.0f} GiB allocated at the peak (as configured, the row would run out of "
+              "memory on the paper's hardware)."]
     checks = [(rid, rec["tracker_check"]) for rid, rec in by_id.items() if rec.get("tracker_check")]
     if checks:
         lines += ["", "## The accounting against torch's memory tracker", "",

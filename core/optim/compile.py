@@ -92,6 +92,9 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles) -> nn.Module:
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    if cfg.emulate_precision_casts:
+        import torch._inductor.config as inductor_config
+        inductor_config.emulate_precision_casts = True
     for name, block in blocks:
         layers.register_module(name, compile_block(block, cfg))
     toggles.apply("compile")
