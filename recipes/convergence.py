@@ -113,12 +113,59 @@ def prefix_overrides(k: int = PREFIX_STEPS) -> list[str]:
     return [f"training.steps={k}", "metrics.progress=false"]
 
 
-def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
-            records_dir: Path | None = None, echo: bool = True) -> tuple[dict, float]:
-    """One proxy run of a row through the launcher (as `run-recipe run ID --mode proxy`).
-    Returns (record, wall seconds). Raises RuntimeError with the log's tail on failure."""
+# Long runs checkpoint every RESUME_INTERVAL steps and, when the trainer dies (a rank or the
+# torchrun agent killed from outside, as happens on a shared machine), are relaunched in the same
+# directory, where the trainer resumes from its latest complete checkpoint (exact resume: model,
+# optimizer, LR schedule, data position, RNG). The per-step losses of all attempts come from
+# metrics.jsonl (log_freq 1); steps logged twice must agree, which checks the resume.
+RESUME_INTERVAL = 50
+RESUME_ATTEMPTS = 5
+RESUME_OVERRIDES = ["checkpoint.enabled=true", f"checkpoint.interval={RESUME_INTERVAL}",
+                    "checkpoint.keep_latest_k=1", "metrics.log_freq=1"]
+
+
+def _launch(cmd, env, log: Path, echo: bool) -> int:
     from recipes import launcher
+    if echo:
+        return launcher.stream(cmd, env, log)
+    import subprocess
+    with open(log, "wb") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _stitch(run_dir: Path, record: dict, attempts: int) -> dict:
+    """A resumed run's record with the losses of every attempt (steps 1..N) from metrics.jsonl."""
+    seen: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        seen.setdefault(int(row["step"]), []).append(float(row["loss"]))
+    steps = int(record["start_step"]) + len(record["losses"])
+    missing = [s for s in range(1, steps + 1) if s not in seen]
+    if missing:
+        raise RuntimeError(f"{run_dir}: metrics.jsonl lacks steps {missing[:5]}... to stitch the resumed run")
+    overlap = max((abs(v[-1] - v[0]) for v in seen.values() if len(v) > 1), default=0.0)
+    record = dict(record)
+    record["resumed"] = {"attempts": attempts, "last_start_step": record["start_step"],
+                         "replayed_steps_max_abs_diff": overlap,
+                         "note": "losses of steps before start_step are the earlier attempts' (metrics.jsonl)"}
+    record["losses"] = [seen[s][-1] for s in range(1, steps + 1)]
+    record["steps"] = steps
+    record["start_step"] = 0
+    return record
+
+
+def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
+            records_dir: Path | None = None, echo: bool = True, resumable: bool = False) -> tuple[dict, float]:
+    """One proxy run of a row through the launcher (as `run-recipe run ID --mode proxy`).
+    resumable: checkpoint and relaunch after a failure (see RESUME_INTERVAL); run_dir is then
+    emptied first. Returns (record, wall seconds of all attempts). Raises RuntimeError with the
+    log's tail on failure."""
+    import shutil
+    from recipes import launcher
+    overrides = list(overrides) + (RESUME_OVERRIDES if resumable else [])
     cfg = launcher.resolve_config(recipe, "proxy", overrides, check_files=True)
+    if resumable and run_dir is not None and Path(run_dir).exists():
+        shutil.rmtree(run_dir)  # a fresh run: never resume an older run's checkpoint
     run_dir = launcher.make_run_dir(recipe, run_dir, several=False)
     job = launcher.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
@@ -127,21 +174,31 @@ def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
     env = launcher.launch_env("proxy", world)
     # a persistent inductor cache: the compiled 3D/4D rows compile once per machine, not per run
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(launcher.project_root() / ".cache" / "inductor"))
-    t0 = time.perf_counter()
-    if echo:
-        click.echo(f"== {recipe.id} · proxy · world {world} · {run_dir}")
-        rc = launcher.stream(cmd, env, run_dir / "train.log")
-    else:
-        import subprocess
-        with open(run_dir / "train.log", "wb") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    wall = time.perf_counter() - t0
     result = run_dir / "result.json"
+    t0 = time.perf_counter()
+    for attempt in range(1, (RESUME_ATTEMPTS if resumable else 1) + 1):
+        if echo:
+            click.echo(f"== {recipe.id} · proxy · world {world} · {run_dir}"
+                       + (f" · attempt {attempt}" if attempt > 1 else ""))
+        log = run_dir / f"train{'' if attempt == 1 else f'.{attempt}'}.log"
+        rc = _launch(cmd, env, log, echo)
+        if rc == 0 and result.is_file():
+            break
+        if echo and resumable:
+            click.echo(f"[convergence] {recipe.id}: attempt {attempt} failed (exit {rc}); resuming from "
+                       "the latest checkpoint", err=True)
+    wall = time.perf_counter() - t0
     if rc != 0 or not result.is_file():
-        tail = "\n".join((run_dir / "train.log").read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"{recipe.id}: trainer failed (exit {rc}); log {run_dir / 'train.log'}:\n{tail}")
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"{recipe.id}: trainer failed (exit {rc}); log {log}:\n{tail}")
+    record = json.loads(result.read_text())
+    if record.get("start_step"):
+        record = _stitch(run_dir, record, attempt)
+        tmp = result.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(result)
     launcher.copy_record(result, records_dir, "proxy", recipe)
-    return json.loads(result.read_text()), wall
+    return record, wall
 
 
 # ----------------------------------------------------------------------------------- analysis
@@ -174,7 +231,11 @@ def comparable(rec: dict, base: dict) -> list[str]:
         if a != b:
             why.append(f"{section}.{key} {a!r} != control's {b!r}")
     if rec.get("start_step") or base.get("start_step"):
-        why.append("resumed from a checkpoint")
+        why.append("resumed from a checkpoint without the earlier steps' losses")
+    for r in (rec, base):
+        diff = (r.get("resumed") or {}).get("replayed_steps_max_abs_diff", 0.0)
+        if diff > 1e-6:
+            why.append(f"{r.get('recipe')}: resumed inexactly (replayed steps differ by {diff:.2e})")
     return why
 
 
@@ -432,7 +493,8 @@ def convergence(steps, only, records_dir, out_dir, golden):
     walls = {}
     for r in chosen:
         try:
-            _, walls[r.id] = run_row(r, overrides, records_dir=records_root)
+            _, walls[r.id] = run_row(r, overrides, run_dir=launcher.default_runs_dir() / "convergence" / r.fname,
+                                     records_dir=records_root, resumable=True)
         except (RuntimeError, ValueError) as e:
             click.echo(f"FAILED: {e}", err=True)
             sys.exit(1)

@@ -89,6 +89,24 @@ def test_prefix_stays_inside_warmup():
         conv.prefix_overrides(warmup + 1)
 
 
+def test_resumed_run_is_stitched_from_metrics_and_checked(tmp_path):
+    """A run killed after step 6 and resumed from its step-4 checkpoint: the record holds steps 5..8,
+    metrics.jsonl every attempt's steps; the stitched record has steps 1..8, replays must agree."""
+    logged = [(s, 9.0 - 0.1 * s) for s in range(1, 7)] + [(s, 9.0 - 0.1 * s) for s in range(5, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in logged))
+    rec = {"recipe": IDS[1], "start_step": 4, "losses": [9.0 - 0.1 * s for s in range(5, 9)]}
+    out = conv._stitch(tmp_path, rec, attempts=2)
+    assert out["losses"] == [9.0 - 0.1 * s for s in range(1, 9)] and out["start_step"] == 0
+    assert out["resumed"]["replayed_steps_max_abs_diff"] == 0.0 and out["resumed"]["last_start_step"] == 4
+    base = {"recipe": BASE, "config": {}, "losses": out["losses"]}
+    assert not conv.comparable({**out, "config": {}}, base)
+    # an inexact resume (replayed steps differ) makes the curve incomparable
+    (tmp_path / "metrics.jsonl").write_text((tmp_path / "metrics.jsonl").read_text()
+                                            + json.dumps({"step": 6, "loss": 8.0}) + "\n")
+    bad = conv._stitch(tmp_path, rec, attempts=2)
+    assert any("resumed inexactly" in w for w in conv.comparable({**bad, "config": {}}, base))
+
+
 # ------------------------------------------------------------------------- golden regression
 GOLDEN = conv.golden_path()
 
