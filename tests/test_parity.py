@@ -23,11 +23,7 @@ GOLDEN = ROOT / "results" / "golden"
 # CP, PP); `run-recipe parity --dtype bf16` runs the whole list (results/loss_parity.md).
 BF16 = ["fsdp2", "hsdp2x2", "tp2", "fsdp2_tp2", "cp2_allgather", "fsdp2_cp2", "pp2_1f1b"]
 CASES = [(layout.name, "fp32") for layout in P.LAYOUTS] + [(name, "bf16") for name in BF16]
-# Seen crashing mid-session (compile + full AC + TP: "expected all tensors_saved_with_vc_check to
-# be Tensors ... DeviceMesh"); kept running, reported either way, until its fix is confirmed.
-KNOWN_ISSUES = {("fsdp2_tp2_compile_acfull", "fp32"): "compile + full AC + TP crash under investigation"}
-CASE_PARAMS = [pytest.param(n, d, id=f"{n}-{d}", marks=pytest.mark.xfail(reason=KNOWN_ISSUES[(n, d)], strict=False))
-               if (n, d) in KNOWN_ISSUES else pytest.param(n, d, id=f"{n}-{d}") for n, d in CASES]
+CASE_PARAMS = [pytest.param(n, d, id=f"{n}-{d}") for n, d in CASES]
 # The sharded grad norm (FSDP x TP DTensors, summed over pp) against torch's plain one. AdamW is
 # nearly invariant to clipping's uniform scale, so loss parity alone would not catch a wrong norm.
 # fp32: torch's CPU fp32 norm of the 278k-element output-weight gradient is itself 9.6e-5 from
