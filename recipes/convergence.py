@@ -314,7 +314,7 @@ def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
         if res is None:
             label += "  — control"
         elif res.get("mean_abs_diff_smoothed") is not None:
-            label += (f"  — |Δ| {res['mean_abs_diff_smoothed']:.3f} "
+            label += (f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} "
                       f"{'≤' if res['passed'] else '>'} {res['tolerance']:g}")
         else:
             label += f"  — {res['status']}"
