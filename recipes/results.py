@@ -126,8 +126,11 @@ def versions_text(rec: dict) -> str:
 
 def skipped_text(rec: dict) -> str:
     """Toggles a record asked for but could not apply here, with the reason (e.g. AsyncTP on CPU):
-    a gain measured without its technique says so beside the number."""
-    return "; ".join(f"{k} skipped: {v}" for k, v in (rec.get("toggles_skipped") or {}).items())
+    a gain measured without its technique says so beside the number. Emulated Float8 too."""
+    notes = [f"{k} skipped: {v}" for k, v in (rec.get("toggles_skipped") or {}).items()]
+    if "float8:emulated" in (rec.get("toggles_applied") or ()):
+        notes.insert(0, "float8 emulated (fp32 matmul of float8-quantized operands)")
+    return "; ".join(notes)
 
 
 def table_csv_name(table: str) -> str:
@@ -251,7 +254,8 @@ README_HOW = """\
     peak RSS (CPU proxy).
   - `ours hardware`, `ours versions`: the device, torch, torchao and git commit of the record.
   - `ours gain %`: our throughput against our record of the baseline row, same mode only.
-    On a CPU proxy Float8 runs emulated-speed `_scaled_mm` (~3x slower than bf16) and compile
+    On a CPU proxy Float8 runs torchao's emulation (float8-quantized operands, fp32 matmul;
+    the record's toggles say `float8:emulated`: a CPU has no fast float8 GEMM) and compile
     gains depend on tiny shapes: the sign and size describe this CPU, not an H100.
   - `ours PP bubble %`: the schedule's ideal idle fraction from its own action table
     (`pp_bubble_fraction` of the record; hardware independent).

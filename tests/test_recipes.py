@@ -82,6 +82,16 @@ def test_proxy_keeps_dims_schedule_and_toggles(rid):
 
 
 @pytest.mark.parametrize("rid", IDS)
+def test_float8_emulated_only_where_intended(rid):
+    """Real and dry-run use the float8 GEMM; CPU proxies emulate it (CPU _scaled_mm takes
+    seconds per matmul), except the loss-convergence rows, whose curves check the real kernel."""
+    r, paper, proxy = _cfgs(rid)
+    assert not paper.float8.emulate
+    if proxy.float8.enabled:
+        assert proxy.float8.emulate == (r.table != "loss_convergence")
+
+
+@pytest.mark.parametrize("rid", IDS)
 def test_requirements_follow_the_config(rid):
     r, paper, _ = _cfgs(rid)
     real = r.requires["real"]
