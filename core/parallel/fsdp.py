@@ -10,10 +10,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from core.parallel.mesh import WorldMesh
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def fsdp_mesh(world_mesh: DeviceMesh, dp_replicate: int) -> DeviceMesh:
+def fsdp_mesh(world_mesh: WorldMesh, dp_replicate: int) -> DeviceMesh:
     if dp_replicate > 1:
         return world_mesh["dp_replicate", "dp_shard_cp"]
     return world_mesh["dp_shard_cp"]

@@ -43,13 +43,43 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> "WorldMesh":
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+        flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        return WorldMesh(root, flat)
+
+
+# Flattened views and the mesh dims each spans.
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+class WorldMesh:
+    """The 5-D mesh and its flattened views, indexed by dim names like a DeviceMesh.
+
+    torch deprecates slicing a flattened dim from the root mesh ("users need to bookkeep the
+    flattened mesh directly"): the views `_flatten` returned are kept here and handed out, and a
+    mesh mixing a root dim with a view (HSDP's dp_replicate x dp_shard_cp) is concatenated.
+    """
+
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]):
+        self.root = root
+        self.flat = flat
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not any(n in self.flat for n in names):
+            return self.root[names]
+        if len(names) == 1:
+            return self.flat[names[0]]
+        return DeviceMesh._concatenate([self[n] for n in names])
+
+    def __repr__(self) -> str:
+        return f"WorldMesh({self.root}, flattened={sorted(self.flat)})"
 
 
 def device_type() -> str:

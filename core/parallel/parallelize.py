@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import JobConfig
-from core.parallel.mesh import ParallelDims
+from core.parallel.mesh import ParallelDims, WorldMesh
 
 
 @dataclass
@@ -27,7 +26,7 @@ class Toggles:
         self.skipped[name] = reason
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
+def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobConfig,
                 toggles: Toggles) -> nn.Module:
     if cfg.float8.enabled:
         # Before TP: torchao's float8 TP styles (float8 all-gather) only accept Float8Linear.
