@@ -1,7 +1,7 @@
 """Peak activation memory per rank of a long-sequence proxy at CP 1, 2, 4 (the paper's Table 4
 claim: context parallel divides the activation memory of one sequence by the CP degree).
 
-    python -m recipes.cp_memory [--cp 1,2,4] [--seq 4096] [--flavor debug] [--out results/cp_memory.json]
+    python -m recipes.cp_memory [--cp 1,2,4] [--seq 4096] [--flavor debug] [--out results/cp_activation_memory.json]
 
 Each CP degree runs the real trainer (`core.train.Trainer`, FSDP over cp when cp > 1) under
 torchrun on CPU: one warm-up step (optimizer state), then one step inside torch's
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cp", default="1,2,4")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--flavor", default="debug")
-    ap.add_argument("--out", default="results/cp_memory.json")
+    ap.add_argument("--out", default="results/cp_activation_memory.json")
     ap.add_argument("rest", nargs="*")
     a = ap.parse_args(argv)
     if a.worker:

@@ -124,9 +124,9 @@ def versions_text(rec: dict) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def skipped_text(rec: dict) -> str:
-    """Toggles a record asked for but could not apply here, with the reason (e.g. AsyncTP on CPU):
-    a gain measured without its technique says so beside the number. Emulated Float8 too."""
+def toggle_notes(rec: dict) -> str:
+    """Toggles a record asked for but could not apply here, with the reason (e.g. AsyncTP on CPU),
+    and Float8 run emulated: a gain measured without its technique says so beside the number."""
     notes = [f"{k} skipped: {v}" for k, v in (rec.get("toggles_skipped") or {}).items()]
     if "float8:emulated" in (rec.get("toggles_applied") or ()):
         notes.insert(0, "float8 emulated (fp32 matmul of float8-quantized operands)")
@@ -187,7 +187,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
         if has_pp:
             bubble = _num(ours.get("pp_bubble_fraction")) if ours else None
             row["ours PP bubble %"] = 100.0 * bubble if bubble is not None else None
-        row["ours notes"] = (skipped_text(ours) or None) if ours else None
+        row["ours notes"] = (toggle_notes(ours) or None) if ours else None
         row["dry-run est. mem GiB"] = _dry_mem(dry)
         row["recipe"] = r.id
         rows.append(row)
@@ -341,6 +341,9 @@ OTHER_FILES = {
     "toggles.md": "activation checkpointing, compile, Float8, AsyncTP: effect and status",
     "benchmarks.csv": "trainer overhead, proxy MFU, FSDP memory per rank (`run-recipe bench`)",
     "checkpoint_overhead.csv": "DCP save/load times, sync vs async",
+    "toggles.csv": "the same as toggles.md, one measured figure per line (`run-recipe bench`)",
+    "toggles.json": "the raw measurements behind toggles.md",
+    "cp_activation_memory.json": "activation memory per rank at CP 1, 2, 4 (`python -m recipes.cp_memory`)",
 }
 
 
