@@ -106,7 +106,7 @@ def list_cmd(ids, table, markdown):
         rows.append([r.id, r.table, r.row, r.gpus, r.world("proxy"), ", ".join(modes)])
     click.echo(tabulate(rows, headers=["id", "table", "row", "GPUs", "proxy world", "modes here"]))
     if not dry:
-        click.echo("\n(dry-run is not available in this build: core.estimate is missing)")
+        click.echo("\n(dry-run is not available in this build: core.dryrun is missing)")
 
 
 def _visible_gpus() -> int:
@@ -151,7 +151,7 @@ def show_cmd(recipe_id, as_json):
             "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
             "reference": r.reference,
             "requires": {"real": hard, "advisory": advisory, "proxy": list(r.requires.get("proxy", ["cpu"])),
-                         "dry-run": ["core.estimate"]},
+                         "dry-run": ["core.dryrun"]},
         }, indent=2))
         return
     defaults = _flat(JobConfig().to_dict())
@@ -184,7 +184,7 @@ def show_cmd(recipe_id, as_json):
     click.echo(f"  proxy:   needs {', '.join(r.requires.get('proxy', ['cpu']))}, world "
                f"{cfgs['proxy'].parallelism.world_size} processes, offline assets "
                f"(python -m core.data.assets --all)")
-    click.echo(f"  dry-run: needs core.estimate  "
+    click.echo(f"  dry-run: needs core.dryrun  "
                f"[{'available' if launcher.dry_run_available() else 'not available in this build'}]")
 
 
@@ -260,7 +260,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
                 _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
         plans.append((r, cfg, world, nnodes))
     if mode == "dry-run" and not launcher.dry_run_available():
-        _fail("error: dry-run is not available in this build (core.estimate is missing); "
+        _fail("error: dry-run is not available in this build (core.dryrun is missing); "
               "use --mode proxy", EXIT_CANNOT)
 
     # 2. run, print or write each

@@ -138,7 +138,7 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
 
 def dry_run_available() -> bool:
     try:
-        return importlib.util.find_spec("core.estimate") is not None
+        return importlib.util.find_spec("core.dryrun") is not None
     except ModuleNotFoundError:
         return False
 
@@ -276,10 +276,10 @@ def stream(cmd: list[str], env: dict[str, str], log_path: Path, out=None) -> int
 
 
 def run_dry(cfg: JobConfig, run_dir: Path) -> dict:
-    """core.estimate.dry_run at true scale; the record it returns, completed with our fields."""
+    """core.dryrun.record.dry_run at true scale; the record it returns, completed with our fields."""
     if not dry_run_available():
-        raise CannotRunHere("dry-run is not available in this build (core.estimate is missing)")
-    from core.estimate import dry_run
+        raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
+    from core.dryrun.record import dry_run
     cfg.job.output_dir = str(run_dir)
     record = dict(dry_run(cfg))
     record.setdefault("recipe", cfg.job.recipe)

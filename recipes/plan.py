@@ -1,5 +1,5 @@
 """`run-recipe plan`: propose FSDP / TP / PP / CP degrees for a model, a GPU count and a sequence
-length, checked by the dry-run memory accounting (`core.estimate.estimate_memory`).
+length, checked by the dry-run memory accounting (`core.dryrun.memory.estimate_memory`).
 
 The paper's guidance, as rules (each candidate's violations are printed with it):
 
@@ -88,7 +88,7 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
     (one per stage with PP)."""
     from core.config import ConfigError, validate
-    from core.estimate import ALLOCATOR_GAP_GIB, estimate_memory
+    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.models.llama3 import FLAVORS
 
     args = FLAVORS[model]
@@ -194,7 +194,7 @@ def plan(model, gpus, seq, gpu_mem, local_batch, global_batch, gpus_per_node, to
         rows.append([i, c.layout(), c.local_batch, ac, f"{c.estimate_gib:.1f}", "yes" if c.fits else "no",
                      "; ".join(c.violations) or "-"])
     click.echo(f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
-               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.estimate):")
+               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory):")
     click.echo(tabulate(rows, headers=["#", "layout", "local batch", "AC", "est. GiB", "fits", "against the guidance"]))
     best = ranked[0]
     click.echo(f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"

@@ -264,7 +264,7 @@ README_HOW = """\
   - `max |Δloss| vs baseline` (loss convergence): the largest per-step difference from the
     baseline (1D) record of the same mode and step count. The curves' check (smoothed,
     trailing window, stated tolerance) is in `loss_convergence.md`.
-- **dry-run est. mem GiB**: `core.estimate.dry_run` at true scale (fake process group, fake
+- **dry-run est. mem GiB**: `core.dryrun.record.dry_run` at true scale (fake process group, fake
   tensors), from `records/dry-run/`.
 
 An empty cell means no record: nothing is typed in. Regenerate with `run-recipe results`.

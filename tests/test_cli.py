@@ -131,9 +131,9 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
 
     # the plumbing, with a stand-in estimator (this test's input, not a figure)
     seen = {}
-    fake = types.ModuleType("core.estimate")
+    fake = types.ModuleType("core.dryrun.record")
     fake.dry_run = lambda cfg: seen.setdefault("cfg", cfg) and {"peak_memory_gib": 1.0}
-    monkeypatch.setitem(sys.modules, "core.estimate", fake)
+    monkeypatch.setitem(sys.modules, "core.dryrun.record", fake)
     monkeypatch.setattr(launcher, "dry_run_available", lambda: True)
     res = invoke("run", ROW, "--mode", "dry-run", "--out", str(tmp_path / "b"),
                  "--records-dir", str(tmp_path / "rec"))

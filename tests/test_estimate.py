@@ -1,4 +1,4 @@
-"""Dry-run at true scale (core/estimate.py) and the layout advisor (recipes/plan.py).
+"""Dry-run at true scale (core/dryrun/) and the layout advisor (recipes/plan.py).
 
 The paper rows run their real layout on a fake process group of their world size; the
 accounting is checked against torch's memory tracker on the real code (small models, same
@@ -14,7 +14,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from core import estimate as E
+from core.dryrun import fake_step as F
+from core.dryrun import memory as M
+from core.dryrun import record as R
+from recipes import dryrun_table as T
 from core.config import ConfigError, load_config, validate
 from recipes import launcher, registry
 
@@ -67,7 +70,7 @@ def test_405b_table3_row_composes_at_512_ranks():
     stage with the real pipeline / TP / FSDP code and runs its schedule actions on fake tensors."""
     cfg = paper_cfg("llama3_405b/table3/512gpu_3d_1f1b")
     t0 = time.perf_counter()
-    rec = E.dry_run(cfg)
+    rec = R.dry_run(cfg)
     took = time.perf_counter() - t0
     print(f"\n405B Table 3 dry-run: {took:.1f} s (build {rec['fake_step']['build_s']} s, step "
           f"{rec['fake_step']['step_s']} s), estimate {rec['estimated_peak_gib']} GiB")
@@ -83,7 +86,7 @@ def test_405b_table3_row_composes_at_512_ranks():
 
 def test_every_row_accounting_adds_up():
     for r in registry.all_recipes():
-        rec = E.dry_run(launcher.resolve_config(r, "dry-run"), fake=False)
+        rec = R.dry_run(launcher.resolve_config(r, "dry-run"), fake=False)
         assert rec["composes"] is None and rec["world_size"] == r.gpus
         assert parts_sum(rec) == pytest.approx(rec["estimated_peak_gib"], abs=0.02), r.id
         assert min(rec["breakdown"].values()) >= 0, r.id
@@ -93,7 +96,7 @@ def test_every_row_accounting_adds_up():
 def test_fsdp_degree_divides_parameter_and_optimizer_state():
     a = paper_cfg("llama3_8b/table1/8gpu_fsdp")
     b = paper_cfg("llama3_8b/table1/128gpu_fsdp")
-    ea, eb = E.estimate_memory(a)["breakdown"], E.estimate_memory(b)["breakdown"]
+    ea, eb = M.estimate_memory(a)["breakdown"], M.estimate_memory(b)["breakdown"]
     for part in ("params", "optimizer"):
         assert ea[part] / eb[part] == pytest.approx(16, rel=1e-3)
     assert ea["activations"] == pytest.approx(eb["activations"])  # same tokens per GPU
@@ -102,7 +105,7 @@ def test_fsdp_degree_divides_parameter_and_optimizer_state():
 def test_cp_halves_activations():
     one = small_cfg("parallelism.dp_shard=2", "activation_checkpoint.mode=\"full\"", world=2)
     two = small_cfg("parallelism.dp_shard=1", "parallelism.cp=2", "activation_checkpoint.mode=\"full\"", world=2)
-    e1, e2 = E.estimate_memory(one), E.estimate_memory(two)
+    e1, e2 = M.estimate_memory(one), M.estimate_memory(two)
     assert e2["layer_saved_gib"] == pytest.approx(e1["layer_saved_gib"] / 2)
     assert e2["breakdown"]["activations"] == pytest.approx(e1["breakdown"]["activations"] / 2, rel=1e-6)
 
@@ -112,23 +115,23 @@ def test_checkpointing_lowers_activations():
     for mode in ("none", "selective", "full"):
         cfg = paper_cfg("llama3_8b/table1/8gpu_fsdp")
         cfg.activation_checkpoint.mode = mode
-        saved[mode] = E.estimate_memory(cfg)
+        saved[mode] = M.estimate_memory(cfg)
     layer = {m: e["layer_saved_gib"] for m, e in saved.items()}
     assert layer["none"] > layer["selective"] > layer["full"] > 0
     assert saved["none"]["allocated_peak_gib"] > saved["full"]["allocated_peak_gib"]
     # torchtitan's op policy (recompute every second matmul) saves less than saving them all
     cfg = paper_cfg("llama3_8b/table1/8gpu_fsdp")
     cfg.activation_checkpoint.save_every_other_mm = False
-    assert E.estimate_memory(cfg)["layer_saved_gib"] > layer["selective"]
+    assert M.estimate_memory(cfg)["layer_saved_gib"] > layer["selective"]
 
 
 def test_pipeline_keeps_microbatches_in_flight():
     """1F1B: the first stage holds pp microbatches before its first backward, the last one."""
     cfg = paper_cfg("llama3_405b/table3/512gpu_3d_1f1b")
-    first_saved = E.estimate_memory(cfg)
+    first_saved = M.estimate_memory(cfg)
     cfg.parallelism.pp_microbatches = 16
     cfg.training.local_batch_size = 64  # same microbatch size, twice as many microbatches
-    more = E.estimate_memory(cfg)
+    more = M.estimate_memory(cfg)
     # in flight is still pp (8): activations unchanged; only the receive buffers double
     assert more["breakdown"]["activations"] == pytest.approx(first_saved["breakdown"]["activations"])
 
@@ -137,7 +140,7 @@ def test_bad_layouts_are_rejected():
     cfg = paper_cfg("llama3_70b/table2/256gpu_fsdp_tp_compile_float8")
     cfg.parallelism.tp, cfg.parallelism.dp_shard = 16, 16  # 64 heads but 8 KV heads
     with pytest.raises(ConfigError, match="parallelism.tp: 16 does not divide model n_kv_heads"):
-        E.dry_run(cfg, fake=False)
+        R.dry_run(cfg, fake=False)
     with pytest.raises(ConfigError, match="parallelism"):
         small_cfg("parallelism.dp_shard=3", world=8)
 
@@ -166,9 +169,9 @@ def test_accounting_matches_torch_tracker(case):
     accounting in the same semantics must agree."""
     overrides, world, *tol = CASES[case]
     cfg = small_cfg(*overrides, world=world)
-    fs = E.fake_step(cfg, track=True)
+    fs = F.fake_step(cfg, track=True)
     measured = fs["tracker_peak_gib"]["total"]
-    ours = E.estimate_memory(cfg)["per_pp_rank_allocated_gib"][0]
+    ours = M.estimate_memory(cfg)["per_pp_rank_allocated_gib"][0]
     print(f"\n{case}: tracker {measured * 1024:.1f} MiB, accounting {ours * 1024:.1f} MiB")
     assert fs["composes"]
     assert ours == pytest.approx(measured, rel=(tol[0] if tol else TOL_PCT) / 100)
@@ -190,8 +193,8 @@ def test_loss_memory_matches_torch_on_real_tensors(tp):
     T, V = 1024, 512
     cfg = small_cfg(f"parallelism.tp={tp}", "parallelism.dp_shard=1", f"model.vocab_size={V}",
                     "training.seq_len=1024", "training.local_batch_size=1", world=tp)
-    hm = E.head_memory(cfg)
-    E.init_fake_process_group(tp)
+    hm = M.head_memory(cfg)
+    F.init_fake_process_group(tp)
     try:
         mesh = init_device_mesh("cpu", (tp,))
         w = torch.randn(T, V // tp, dtype=torch.bfloat16, requires_grad=True)
@@ -225,11 +228,11 @@ def _total(tracker, kind: str) -> int:
 
 # ------------------------------------------------------------------------------- tables
 def test_write_dry_run_table(tmp_path):
-    records = [E.dry_run(launcher.resolve_config(r, "dry-run"), fake=False) for r in registry.all_recipes()]
-    csv_path, md_path = E.write_dry_run_table(records, tmp_path)
+    records = [R.dry_run(launcher.resolve_config(r, "dry-run"), fake=False) for r in registry.all_recipes()]
+    csv_path, md_path = T.write_dry_run_table(records, tmp_path)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == list(E.CSV_COLUMNS)
+    assert list(rows[0]) == list(T.CSV_COLUMNS)
     assert [r["recipe"] for r in rows] == [r.id for r in registry.all_recipes()]
     with_paper = [r for r in rows if r["paper_gib"]]
     assert len(with_paper) == 18 and all(r["error_pct"] for r in with_paper)

@@ -1,0 +1,1 @@
+"""True scale without GPUs: memory accounting, fake step, the dry-run record."""
