@@ -3,9 +3,10 @@
 Exit codes: 0 ok; 1 a launched run failed; 2 a bad id, option or configuration (nothing was
 spawned); 3 the mode cannot run on this machine or in this build (nothing was spawned).
 
-Adding a subcommand from another module (e.g. `recipes/bench.py` defining a click command
-`bench`): add one line to EXTENSIONS below; the module is imported only when its command is
-used or listed. `main.add_command(cmd)` works too for code that imports this module.
+Subcommands of other modules (the studies in recipes/studies/, the layout advisor): one line
+in EXTENSIONS below each; the module is imported only when its command runs (the studies import
+torch, and `run-recipe list` / `--help` must stay fast). `main.add_command(cmd)` works too for
+code that imports this module.
 """
 from __future__ import annotations
 
@@ -20,12 +21,18 @@ import click
 from recipes import registry
 from recipes.schema import MODES, TABLES, RecipeError
 
-# name -> "module:attribute" of a click command, imported lazily.
-EXTENSIONS: dict[str, str] = {
-    "bench": "recipes.bench:bench",
-    "parity": "recipes.parity:parity",
-    "convergence": "recipes.convergence:convergence",
-    "plan": "recipes.plan:plan",
+# name -> ("module:attribute" of a click command, imported lazily; its line in `--help`).
+EXTENSIONS: dict[str, tuple[str, str]] = {
+    "bench": ("recipes.studies.bench:bench", "Trainer overhead, proxy MFU, FSDP memory per rank (+ the two below)."),
+    "checkpoint-bench": ("recipes.studies.checkpoint_bench:checkpoint_bench",
+                         "Checkpoint overhead: sync vs async DCP save."),
+    "convergence": ("recipes.studies.convergence:convergence",
+                    "The four loss-convergence rows as proxies, plotted and checked vs 1D."),
+    "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
+    "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
+    "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
+    "toggles-bench": ("recipes.studies.toggles_bench:toggles_bench",
+                      "AC, regional compile and Float8 on the CPU proxy."),
 }
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
@@ -35,16 +42,28 @@ class RecipeGroup(click.Group):
     """A click group that also serves the lazily imported EXTENSIONS commands."""
 
     def list_commands(self, ctx):
-        present = {name for name, target in EXTENSIONS.items()
+        present = {name for name, (target, _) in EXTENSIONS.items()
                    if importlib.util.find_spec(target.split(":")[0]) is not None}
         return sorted(set(super().list_commands(ctx)) | present)
 
     def get_command(self, ctx, name):
         cmd = super().get_command(ctx, name)
         if cmd is None and name in EXTENSIONS:
-            module, attr = EXTENSIONS[name].split(":")
+            module, attr = EXTENSIONS[name][0].split(":")
             cmd = getattr(importlib.import_module(module), attr)
         return cmd
+
+    def format_commands(self, ctx, formatter):
+        """`--help` lists the extensions by their stored line, without importing them."""
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.commands or name not in EXTENSIONS:
+                rows.append((name, self.get_command(ctx, name).get_short_help_str(limit=80)))
+            else:
+                rows.append((name, EXTENSIONS[name][1]))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 def _fail(message: str, code: int) -> None:

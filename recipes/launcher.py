@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import JobConfig, apply_dict, parse_override, save_config, validate
+from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config, validate
+from core.optim.hardware import check_hardware as check_toggles
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +35,14 @@ def default_runs_dir() -> Path:
     return project_root() / "runs"
 
 
+def results_root() -> Path:
+    """`results/` of the checkout: every table, figure, golden file and study output goes here
+    (or under a directory the user names), never relative to the working directory."""
+    return project_root() / "results"
+
+
 def default_records_dir() -> Path:
-    return project_root() / "results" / "records"
+    return results_root() / "records"
 
 
 class CannotRunHere(RuntimeError):
@@ -98,7 +105,7 @@ def real_requirements(recipe: Recipe, cfg: JobConfig) -> tuple[list[str], list[s
 
 def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
     """Can this node run cfg for real, single-node? Lists what is missing, never guesses."""
-    import torch
+    import torch  # here, not at the top: `run-recipe list` and `show` must not pay torch's import
     hard, advisory = real_requirements(recipe, cfg)
     world = cfg.parallelism.world_size
     missing: list[str] = []
@@ -126,8 +133,6 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
                 notes.append(f"AsyncTP wants {token} (symmetric memory); this node: {have}")
         elif token == "nvswitch":
             notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
-    from core.config import ConfigError
-    from core.optim.hardware import check_hardware as check_toggles
     try:  # the trainer's own check (Float8 sm89+, AsyncTP: CUDA + NVLink/NVSwitch in real mode)
         check_toggles(cfg)
     except ConfigError as e:
@@ -149,25 +154,51 @@ def torchrun_exe() -> str:
     return str(exe) if exe.is_file() else "torchrun"
 
 
+def torchrun_command(nproc: int, target: list[str] | tuple[str, ...], nnodes: int = 1,
+                     rdzv_id: str | None = None, rdzv_endpoint: str | None = None,
+                     max_restarts: int = 0, exe: str | None = None) -> list[str]:
+    """The one place a torchrun command is built. `target`: what each rank runs, e.g.
+    `["-m", "core.train", "--config", path]` or a script and its arguments. One node without a
+    rendezvous endpoint: `--standalone`; else a c10d rendezvous at `rdzv_endpoint`. `exe`: a
+    torchrun executable (multi-node, sbatch); default `python -m torch.distributed.run` of
+    this interpreter. `max_restarts`: torchrun's agent restarts the whole group when a rank
+    dies; the trainer resumes from its latest complete checkpoint (checkpoint.enabled)."""
+    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    if rdzv_endpoint is None:
+        cmd.append("--standalone")
+    cmd += [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}"]
+    if rdzv_endpoint is not None:
+        cmd += [f"--rdzv_id={rdzv_id}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
+    return cmd + list(target)
+
+
+def trainer_target(config_path: Path | str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """What each rank of a training run executes: `-m core.train [--config PATH] [overrides]`."""
+    return ["-m", "core.train", *(["--config", str(config_path)] if config_path else []), *overrides]
+
+
 def local_command(world: int, config_path: Path, max_restarts: int = 0) -> list[str]:
-    # --max-restarts: torchrun's agent restarts the whole group when a rank dies; the trainer
-    # resumes from its latest complete checkpoint (checkpoint.enabled)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc_per_node={world}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
-            "-m", "core.train", "--config", str(config_path)]
+    return torchrun_command(world, trainer_target(config_path), max_restarts=max_restarts)
 
 
 def multinode_command(nnodes: int, nproc: int, config_path: Path, rdzv_id: str,
                       endpoint: str = f"$HOST:{RDZV_PORT}") -> str:
     """The command to run on every node; HOST is the first node's address."""
-    return (f"torchrun --nnodes={nnodes} --nproc_per_node={nproc} --rdzv_id={rdzv_id} "
-            f"--rdzv_backend=c10d --rdzv_endpoint={endpoint} "
-            f"-m core.train --config {shlex.quote(str(config_path))}")
+    cmd = torchrun_command(nproc, trainer_target(shlex.quote(str(config_path))), nnodes=nnodes,
+                           rdzv_id=rdzv_id, rdzv_endpoint=endpoint, exe="torchrun")
+    return " ".join(cmd)
 
 
 def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, nproc: int,
                   records_dir: Path | None, extra: list[str] | tuple[str, ...] = ()) -> str:
     q = shlex.quote
+    cmd = torchrun_command(nproc, trainer_target(q(str(run_dir / "job.json"))), nnodes=nnodes,
+                           rdzv_id='"$SLURM_JOB_ID"', rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
+                           exe=q(torchrun_exe()))
+    # one shell line per group: executable | nodes, ranks | rendezvous | what each rank runs
+    exe, dims, rdzv, target = cmd[:1], cmd[1:3], cmd[3:6], cmd[6:]
     lines = [
         "#!/bin/bash",
         f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
@@ -184,10 +215,10 @@ def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, np
         f"cd {q(str(project_root()))}",
         f"export PYTHONPATH={q(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --nodes={nnodes} --ntasks-per-node=1 {q(torchrun_exe())} \\",
-        f"    --nnodes={nnodes} --nproc_per_node={nproc} \\",
-        f'    --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:{RDZV_PORT}" \\',
-        f"    -m core.train --config {q(str(run_dir / 'job.json'))}",
+        f"srun --nodes={nnodes} --ntasks-per-node=1 {' '.join(exe)} \\",
+        f"    {' '.join(dims)} \\",
+        f"    {' '.join(rdzv)} \\",
+        f"    {' '.join(target)}",
     ]
     if records_dir is not None:
         dest = records_dir / "real" / f"{recipe.fname}.json"
@@ -232,7 +263,9 @@ def copy_record(result: Path, records_dir: Path | None, mode: str, recipe: Recip
 
 
 # ------------------------------------------------------------------------------ launching
-def launch_env(mode: str, world: int) -> dict[str, str]:
+def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
+    """The environment of every torchrun this project starts; `set_vars` are set as given
+    (e.g. OMP_NUM_THREADS="1" where a test compares against an in-process reference)."""
     env = dict(os.environ)
     root = str(project_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -244,7 +277,31 @@ def launch_env(mode: str, world: int) -> dict[str, str]:
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.update(set_vars)
     return env
+
+
+def inductor_cache_dir() -> str:
+    """A persistent inductor cache in the checkout: compiled rows compile once per machine."""
+    return str(project_root() / ".cache" / "inductor")
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, echo: bool = False,
+               timeout: float | None = None, cwd: Path | None = None) -> int:
+    """Run cmd with its merged output in log_path, echoed as it comes when `echo`. Returns the
+    exit code (-1 after `timeout` seconds: the process is killed)."""
+    if echo:
+        return stream(cmd, env, log_path)
+    with open(log_path, "wb") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+
+def log_tail(log_path: Path, lines: int = 30) -> str:
+    return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
 
 
 def stream(cmd: list[str], env: dict[str, str], log_path: Path, out=None) -> int:
@@ -279,7 +336,7 @@ def run_dry(cfg: JobConfig, run_dir: Path) -> dict:
     """core.dryrun.record.dry_run at true scale; the record it returns, completed with our fields."""
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
-    from core.dryrun.record import dry_run
+    from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
     cfg.job.output_dir = str(run_dir)
     record = dict(dry_run(cfg))
     record.setdefault("recipe", cfg.job.recipe)
@@ -293,25 +350,16 @@ def run_dry(cfg: JobConfig, run_dir: Path) -> dict:
 
 def launch_trainer(world: int, overrides: list[str], out_dir: str | Path, config: str | Path | None = None,
                    mode: str = "proxy", echo: bool = False, max_restarts: int = 0) -> dict:
-    """Programmatic launch (benchmarks, tests): torchrun `world` CPU ranks of core.train with
+    """Programmatic launch (studies, tests): torchrun `world` CPU ranks of core.train with
     `--section.key=value` overrides, output in out_dir; returns the record (result.json).
     Raises RuntimeError with the log's tail when the run fails."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={world}", *([f"--max-restarts={max_restarts}"] if max_restarts else []),
-           "-m", "core.train"]
-    if config:
-        cmd += ["--config", str(config)]
-    cmd += [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"]
+    target = trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"])
+    cmd = torchrun_command(world, target, max_restarts=max_restarts)
     log = out_dir / "train.log"
-    if echo:
-        rc = stream(cmd, launch_env(mode, world), log)
-    else:
-        with open(log, "wb") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=launch_env(mode, world)).returncode
+    rc = run_logged(cmd, launch_env(mode, world), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{tail}")
+        raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{log_tail(log)}")
     return json.loads(result.read_text())

@@ -7,7 +7,7 @@ A cell with no record is empty. `README.md` indexes the tables, the other result
 (benchmarks, loss parity, dry-run, ...) when present, and says how each number was made.
 
 The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
-(step x row, recipes/convergence.py), so its table goes to `loss_convergence_table.csv`, and
+(step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
 `loss_convergence.md` carries the table, the curves' check and a link to the plot.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from recipes import registry
+from recipes import loss_curves, registry
 from recipes.schema import TABLES, Recipe
 
 OURS_MODES = ("real", "proxy")  # the "ours" columns take the real record if any, else the proxy's
@@ -292,10 +292,10 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
               "[README.md](README.md).", ""]
         written += [out / f"{table}.md", out / csv_name]
         if table == "loss_convergence":
-            from recipes import convergence  # the curves, their plot and check: from the same records
+            # the curves, their plot and check: from the same records
             proxy = {rid: rec for (rid, mode), rec in records.items()
                      if mode == "proxy" and rid in {r.id for r in recipes}}
-            files, section = convergence.write_outputs(proxy, out)
+            files, section = loss_curves.write_outputs(proxy, out)
             written += files
             md += [section]
         (out / f"{table}.md").write_text("\n".join(md))
@@ -343,7 +343,7 @@ OTHER_FILES = {
     "checkpoint_overhead.csv": "DCP save/load times, sync vs async",
     "toggles.csv": "the same as toggles.md, one measured figure per line (`run-recipe bench`)",
     "toggles.json": "the raw measurements behind toggles.md",
-    "cp_activation_memory.json": "activation memory per rank at CP 1, 2, 4 (`python -m recipes.cp_memory`)",
+    "cp_activation_memory.json": "activation memory per rank at CP 1, 2, 4 (`run-recipe cp-memory`)",
 }
 
 

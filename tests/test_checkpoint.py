@@ -252,7 +252,7 @@ def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
 
 
 def test_checkpoint_overhead_bench(pg, tmp_path):
-    from recipes.checkpoint_bench import COLUMNS, run_checkpoint_bench
+    from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
     out = tmp_path / "checkpoint_overhead.csv"
     rows = run_checkpoint_bench(out, flavor="tiny", steps=5, interval=1, work_dir=tmp_path)
     with open(out) as f:

@@ -12,20 +12,21 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from recipes import convergence as conv
+from recipes import loss_curves as curves
 from recipes import registry
+from recipes.studies import convergence as conv
 
 pytestmark = pytest.mark.dryrun
 
-IDS = [r.id for r in conv.rows()]
-BASE = conv.control().id
+IDS = [r.id for r in curves.rows()]
+BASE = curves.control().id
 
 
 def _records(offsets: dict[str, float], steps: int = 200, noise: float = 0.1) -> dict[str, dict]:
     """A decaying loss with deterministic batch noise shared by every layout, plus a per-row offset
     (and a small per-row jitter) from step 1 on."""
     recs = {}
-    for k, r in enumerate(conv.rows()):
+    for k, r in enumerate(curves.rows()):
         cfg = r.job_config("proxy").to_dict()
         cfg["training"]["steps"] = steps
         base = [8.3 * math.exp(-i / 40) + 4.0 + noise * math.sin(7.3 * i) for i in range(steps)]
@@ -41,7 +42,7 @@ def test_rows_share_global_batch_and_token_order():
     """The premise of comparing curves: same dp degree, local batch, seq, steps, schedule, data."""
     cfgs = {rid: registry.get(rid).job_config("proxy") for rid in IDS}
     for rid, cfg in cfgs.items():
-        assert not conv.comparable({"config": cfg.to_dict()}, {"config": cfgs[BASE].to_dict()}), rid
+        assert not curves.comparable({"config": cfg.to_dict()}, {"config": cfgs[BASE].to_dict()}), rid
         assert cfg.training.steps >= 500 and cfg.training.mixed_precision_param == "bfloat16"
         assert cfg.training.mixed_precision_reduce == "float32" and cfg.data.dataset == "c4_offline"
         assert cfg.lr_scheduler.warmup_steps * 5 == cfg.training.steps
@@ -51,13 +52,13 @@ def test_rows_share_global_batch_and_token_order():
 
 def test_check_passes_within_tolerance_and_fails_on_an_offset():
     nd = [rid for rid in IDS if rid != BASE]
-    ok = conv.check(_records({nd[0]: 0.02}))
+    ok = curves.check(_records({nd[0]: 0.02}))
     assert [r["status"] for r in ok] == ["pass"] * 3
     off = {r["recipe"]: r for r in ok}[nd[0]]
     assert off["mean_abs_diff_smoothed"] == pytest.approx(0.02, abs=0.01)
-    bad = {r["recipe"]: r for r in conv.check(_records({nd[1]: 3 * conv.TOLERANCE}))}
+    bad = {r["recipe"]: r for r in curves.check(_records({nd[1]: 3 * curves.TOLERANCE}))}
     assert bad[nd[1]]["status"] == "FAIL" and bad[nd[1]]["passed"] is False
-    assert bad[nd[1]]["mean_abs_diff_smoothed"] == pytest.approx(3 * conv.TOLERANCE, rel=0.2)
+    assert bad[nd[1]]["mean_abs_diff_smoothed"] == pytest.approx(3 * curves.TOLERANCE, rel=0.2)
     assert bad[nd[0]]["passed"] and bad[nd[2]]["passed"]
 
 
@@ -65,26 +66,26 @@ def test_check_refuses_incomparable_or_missing_records():
     recs = _records({})
     changed = copy.deepcopy(recs)
     changed[IDS[1]]["config"]["training"]["local_batch_size"] = 8  # a different global batch
-    res = {r["recipe"]: r for r in conv.check(changed)}
+    res = {r["recipe"]: r for r in curves.check(changed)}
     assert res[IDS[1]]["passed"] is False and "training.local_batch_size" in res[IDS[1]]["status"]
     del recs[IDS[2]]
-    res = {r["recipe"]: r for r in conv.check(recs)}
+    res = {r["recipe"]: r for r in curves.check(recs)}
     assert res[IDS[2]]["status"] == "no record" and res[IDS[2]]["passed"] is None
 
 
 def test_outputs_csv_png_and_markdown(tmp_path):
-    files, md = conv.write_outputs(_records({}), tmp_path)
+    files, md = curves.write_outputs(_records({}), tmp_path)
     assert {p.name for p in files} == {"loss_convergence.csv", "loss_convergence.png"}
     df = pd.read_csv(tmp_path / "loss_convergence.csv")
-    assert list(df.columns) == ["step"] + [conv.column(rid) for rid in IDS]
+    assert list(df.columns) == ["step"] + [curves.column(rid) for rid in IDS]
     assert df["step"].tolist() == list(range(1, 201))
     assert (tmp_path / "loss_convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"tolerance {conv.TOLERANCE:g} nats" in md and "3 of 3 N-D layouts within tolerance" in md
+    assert f"tolerance {curves.TOLERANCE:g} nats" in md and "3 of 3 N-D layouts within tolerance" in md
 
 
 def test_prefix_stays_inside_warmup():
     assert conv.prefix_overrides()[0] == f"training.steps={conv.PREFIX_STEPS}"
-    warmup = conv.control().job_config("proxy").lr_scheduler.warmup_steps
+    warmup = curves.control().job_config("proxy").lr_scheduler.warmup_steps
     with pytest.raises(ValueError, match="warmup"):
         conv.prefix_overrides(warmup + 1)
 
@@ -99,12 +100,12 @@ def test_resumed_run_is_stitched_from_metrics_and_checked(tmp_path):
     assert out["losses"] == [9.0 - 0.1 * s for s in range(1, 9)] and out["start_step"] == 0
     assert out["resumed"]["replayed_steps_max_abs_diff"] == 0.0 and out["resumed"]["last_start_step"] == 4
     base = {"recipe": BASE, "config": {}, "losses": out["losses"]}
-    assert not conv.comparable({**out, "config": {}}, base)
+    assert not curves.comparable({**out, "config": {}}, base)
     # an inexact resume (replayed steps differ) makes the curve incomparable
     (tmp_path / "metrics.jsonl").write_text((tmp_path / "metrics.jsonl").read_text()
                                             + json.dumps({"step": 6, "loss": 8.0}) + "\n")
     bad = conv._stitch(tmp_path, rec, attempts=2)
-    assert any("resumed inexactly" in w for w in conv.comparable({**bad, "config": {}}, base))
+    assert any("resumed inexactly" in w for w in curves.comparable({**bad, "config": {}}, base))
 
 
 # ------------------------------------------------------------------------- golden regression

@@ -1,6 +1,6 @@
-"""Loss parity of every N-D layout against the single-process reference (recipes/parity.py).
+"""Loss parity of every N-D layout against the single-process reference (recipes/studies/parity.py).
 
-The multi-process cases share one torchrun per (world size, dtype) (`recipes.parity.run_grouped`,
+The multi-process cases share one torchrun per (world size, dtype) (`recipes.studies.parity.run_grouped`,
 the real trainer run job after job) to keep start-up time down; each case still compares its
 own per-step losses with the reference directly.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigError, load_config, validate
-from recipes import parity as P
+from recipes.studies import parity as P
 
 pytestmark = pytest.mark.parity
 

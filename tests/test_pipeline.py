@@ -166,7 +166,7 @@ WORLD8 = {
 
 
 def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, dict]:
-    """One torchrun for all jobs of a world size (recipes.parity's worker runs each with
+    """One torchrun for all jobs of a world size (recipes.studies.group_worker runs each with
     core.train.run). Returns name -> result record; fails with the log tail if any job failed."""
     specs = []
     for name, overrides in jobs.items():
@@ -178,7 +178,7 @@ def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, d
     spec.write_text(json.dumps(specs))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={world}", "-m", "recipes.parity", str(spec)]
+           f"--nproc_per_node={world}", "-m", "recipes.studies.group_worker", str(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     records, missing = {}, []
     for name in jobs:

@@ -261,7 +261,7 @@ def test_float8_fsdp2_float8_all_gather(tmp_path):
         "--parallelism.dp_shard=2", "--float8.enabled=true", "--float8.enable_fsdp_float8_all_gather=true",
         "--float8.precompute_float8_dynamic_scale_for_fsdp=true"], tmp_path)
     assert {"float8", "float8:tensorwise", "float8_fsdp_all_gather", "fsdp"} <= set(rec["toggles_applied"])
-    from recipes.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
+    from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
     assert max_abs_diff(rec["losses"], ref) < FLOAT8_TOLERANCE
 
 

@@ -14,13 +14,18 @@ import tempfile
 from pathlib import Path
 
 import click
+import torch.distributed as dist
 
-RESULTS = Path("results")
+from core.config import load_config, validate
+from core.reference import reference_run
+from core.train import Trainer, init_distributed
+from recipes import launcher
+from recipes.studies import checkpoint_bench, toggles_bench
+
 COLUMNS = ["benchmark", "value", "unit", "notes"]
 
 
 def _bench_config(flavor: str, seq_len: int, batch: int, steps: int, dtype: str):
-    from core.config import load_config, validate
     cfg = load_config(None, [
         f"model.flavor={flavor}", "data.dataset=synthetic", f"training.seq_len={seq_len}",
         f"training.local_batch_size={batch}", f"training.steps={steps}",
@@ -33,11 +38,6 @@ def _bench_config(flavor: str, seq_len: int, batch: int, steps: int, dtype: str)
 def trainer_vs_bare_loop(flavor: str = "small", seq_len: int = 256, batch: int = 4, steps: int = 6,
                          rounds: int = 2, dtype: str = "bfloat16") -> dict:
     """Alternate trainer and bare loop `rounds` times in this process; median steady step time."""
-    import torch.distributed as dist
-
-    from core.reference import reference_run
-    from core.train import Trainer, init_distributed
-
     cfg = _bench_config(flavor, seq_len, batch, steps, dtype)
     tokens = seq_len * batch
     trainer_times, bare_times, records = [], [], []
@@ -64,19 +64,20 @@ def trainer_vs_bare_loop(flavor: str = "small", seq_len: int = 256, batch: int =
 
 def fsdp_state_bytes(worlds=(1, 2, 4), flavor: str = "debug") -> dict[int, int]:
     """Parameter + optimizer bytes on rank 0 after 2 AdamW steps under FSDP2 at each world size."""
-    from recipes.launcher import launch_trainer
     out = {}
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
-            rec = launch_trainer(world, [f"--model.flavor={flavor}", "--data.dataset=synthetic",
+            rec = launcher.launch_trainer(world, [f"--model.flavor={flavor}", "--data.dataset=synthetic",
                                          "--training.seq_len=64", "--training.local_batch_size=2",
                                          "--training.steps=2", "--metrics.progress=false"], Path(tmp))
         out[world] = max(p + o for p, o in zip(rec["param_bytes_per_rank"], rec["optimizer_bytes_per_rank"]))
     return out
 
 
-def write_rows(rows: list[dict], path: Path = RESULTS / "benchmarks.csv") -> None:
-    """Replace the rows this run measured, keep the others (written by other benchmarks)."""
+def write_rows(rows: list[dict], path: Path | None = None) -> None:
+    """Replace the rows this run measured in results/benchmarks.csv, keep the others (written by
+    other benchmarks)."""
+    path = path or launcher.results_root() / "benchmarks.csv"
     kept = []
     if path.is_file():
         names = {r["benchmark"] for r in rows}
@@ -118,12 +119,9 @@ def bench(quick: bool) -> None:
         click.echo(f"[bench] {extra.__doc__.splitlines()[0] if extra.__doc__ else extra.__name__} ...")
         rows += extra(quick=quick)
     write_rows(rows)
-    click.echo(f"[bench] wrote {RESULTS / 'benchmarks.csv'}")
+    click.echo(f"[bench] wrote {launcher.results_root() / 'benchmarks.csv'}")
 
 
 def _extra_benchmarks():
-    """Benchmarks other modules contribute (each `benchmark_rows(quick) -> rows in COLUMNS`)."""
-    import importlib
-    import importlib.util
-    mods = ("recipes.checkpoint_bench", "recipes.toggles_bench")
-    return [importlib.import_module(m).benchmark_rows for m in mods if importlib.util.find_spec(m)]
+    """Benchmarks other studies contribute (each `benchmark_rows(quick) -> rows in COLUMNS`)."""
+    return [checkpoint_bench.benchmark_rows, toggles_bench.benchmark_rows]

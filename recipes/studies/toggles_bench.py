@@ -1,7 +1,7 @@
 """Measure the efficiency toggles on the CPU proxy; write results/toggles.{md,csv}.
 
 Called by `run-recipe bench` (`benchmark_rows(quick)` -> rows of results/benchmarks.csv) or
-alone: `python -m recipes.toggles_bench [--quick]`. Every figure is measured afresh; each ratio
+alone: `run-recipe toggles-bench [--quick]`. Every figure is measured afresh; each ratio
 compares runs made one right after the other in this invocation (the machine is shared, so
 absolute times drift; ratios of interleaved runs much less). Sections:
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,8 +29,22 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path("results")
+import click
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from core.config import Compile, load_config, validate
+from core.models.llama3 import FLAVORS, build_model
+from core.optim.compile import apply_compile
+from core.parallel.parallelize import Toggles
+from core.reference import reference_run
+from core.train import Trainer, init_distributed
+from recipes import launcher
+
+PROBE_MODULE = "recipes.studies.toggles_bench"  # run as `python -m` for a cold-compile probe
 CSV_COLUMNS = ["section", "name", "metric", "value", "unit", "ratio", "ratio_of", "notes"]
 AC_MODES = {
     "none": [],
@@ -48,8 +63,6 @@ def _overrides(flavor: str, seq_len: int, batch: int, steps: int, dtype: str) ->
 
 
 def _trainer(base: list[str], extra: list[str], out: str):
-    from core.config import load_config, validate
-    from core.train import Trainer
     cfg = validate(load_config(None, base + extra + [f"job.output_dir={out}"]), 1, check_files=False)
     return Trainer(cfg)
 
@@ -58,17 +71,12 @@ class _ProcessGroup:
     """A one-rank gloo group for in-process trainers (left alone if one exists)."""
 
     def __enter__(self):
-        import torch.distributed as dist
-
-        from core.config import load_config
-        from core.train import init_distributed
         self.created = not dist.is_initialized()
         if self.created:
             init_distributed(load_config(None, []))
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
         if self.created:
             dist.destroy_process_group()
 
@@ -108,7 +116,6 @@ def ac_table(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: i
              dtype: str = "float32") -> list[dict]:
     """Per AC mode: peak activation / total MiB of one train step (MemTracker), step time
     (interleaved trainers), max loss diff vs no AC."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     base = _overrides(flavor, seq_len, batch, steps, dtype)
     rows = []
     with _ProcessGroup(), tempfile.TemporaryDirectory() as tmp:
@@ -149,20 +156,12 @@ def compile_speedup(flavor: str = "debug", seq_len: int = 256, batch: int = 8, s
 
 def _cpu_s() -> float:
     """CPU seconds of this process and its reaped children (gcc): less load-sensitive than wall."""
-    import resource
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + c.ru_utime + c.ru_stime
 
 
 def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int = 4) -> dict:
     """(In a fresh process.) Time the first training step, which compiles, and the later ones."""
-    import torch
-    import torch.nn.functional as F
-
-    from core.config import Compile
-    from core.models.llama3 import build_model
-    from core.optim.compile import apply_compile
-    from core.parallel.parallelize import Toggles
     model = build_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
     if mode == "block":
         apply_compile(model, Compile(enabled=True), Toggles())
@@ -193,16 +192,16 @@ def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> d
     with tempfile.TemporaryDirectory() as tmp:
         for key, mode, cache in (("block_cold", "block", "block"), ("whole_cold", "whole", "whole"),
                                  ("block_warm", "block", "block")):
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", PYTHONPATH=str(REPO),
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", PYTHONPATH=str(launcher.project_root()),
                        TORCHINDUCTOR_COMPILE_THREADS="1")
-            cmd = [sys.executable, "-m", "recipes.toggles_bench", "--probe", mode, "--flavor", flavor,
+            cmd = [sys.executable, "-m", PROBE_MODULE, "--probe", mode, "--flavor", flavor,
                    "--seq-len", str(seq_len), "--batch", str(batch)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=launcher.project_root(),
+                                  timeout=1800)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
             if proc.returncode or not lines:
                 raise RuntimeError(f"compile probe {mode} failed:\n{proc.stderr[-3000:]}")
             out[key] = json.loads(lines[-1][6:])
-    from core.models.llama3 import FLAVORS
     out["n_layers"] = FLAVORS[flavor].n_layers
     out["whole_over_block"] = out["whole_cold"]["compile_s"] / out["block_cold"]["compile_s"]
     out["whole_over_block_cpu"] = out["whole_cold"]["compile_cpu_s"] / out["block_cold"]["compile_cpu_s"]
@@ -231,9 +230,6 @@ def float8_deviation(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, st
 def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: int = 10) -> dict:
     """FSDP2 world 2, bf16 params + float8 all-gather + precomputed scales, vs the bf16 single
     process reference (core.reference, bf16 autocast) on the same global batch."""
-    from core.config import load_config, validate
-    from core.reference import reference_run
-    from recipes.launcher import launch_trainer
     base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
     ref = reference_run(validate(load_config(None, base), 1, check_files=False))["losses"]
     fp8 = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
@@ -243,7 +239,7 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
     out, losses = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("bf16", []), ("float8", fp8)):
-            rec = launch_trainer(2, ["--" + o for o in world2 + extra], f"{tmp}/{name}")
+            rec = launcher.launch_trainer(2, ["--" + o for o in world2 + extra], f"{tmp}/{name}")
             losses[name] = rec["losses"]
             out[name] = {"max_loss_diff": _max_diff(rec["losses"], ref),
                          "step_s": _median(rec["step_times_s"][1:]), "applied": rec["toggles_applied"]}
@@ -294,11 +290,8 @@ def csv_rows(m: dict) -> list[dict]:
 
 
 def markdown(m: dict) -> str:
-    from tabulate import tabulate
-
-    import torch
     lines = ["# Efficiency toggles on the CPU proxy", "",
-             f"Generated by `recipes/toggles_bench.py` (torch {torch.__version__}); every ratio compares runs made "
+             f"Generated by `run-recipe toggles-bench` (torch {torch.__version__}); every ratio compares runs made "
              "one after the other in the same invocation on this (shared, 2-core) CPU."
              + (" QUICK smoke shapes: not the reported figures." if m["quick"] else ""), "",
              "## Activation checkpointing", "",
@@ -342,7 +335,8 @@ def markdown(m: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(m: dict, results_dir: Path = RESULTS) -> None:
+def write_results(m: dict, results_dir: Path | None = None) -> None:
+    results_dir = results_dir or launcher.results_root()
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "toggles.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
@@ -373,23 +367,22 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--probe", choices=["eager", "block", "whole"])
-    p.add_argument("--flavor", default="debug")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    a = p.parse_args(argv)
-    if a.probe:
-        print("PROBE " + json.dumps(_compile_probe(a.probe, a.flavor, a.seq_len, a.batch)), flush=True)
-        return 0
-    m = measure(a.quick)
+@click.command("toggles-bench")
+@click.option("--quick", is_flag=True, help="Smaller shapes (a smoke run, not the reported figures).")
+@click.option("--probe", type=click.Choice(["eager", "block", "whole"]), hidden=True,
+              help="(In a fresh process, for cold_compile.) Time one compile mode and print PROBE <json>.")
+@click.option("--flavor", default="debug", hidden=True)
+@click.option("--seq-len", type=int, default=256, hidden=True)
+@click.option("--batch", type=int, default=8, hidden=True)
+def toggles_bench(quick, probe, flavor, seq_len, batch):
+    """Measure AC, regional compile and Float8 on the CPU proxy; write results/toggles.{md,csv,json}."""
+    if probe:
+        click.echo("PROBE " + json.dumps(_compile_probe(probe, flavor, seq_len, batch)))
+        return
+    m = measure(quick)
     write_results(m)
-    print(markdown(m))
-    return 0
+    click.echo(markdown(m))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the cold-compile probe (a fresh process per compile mode)
+    toggles_bench()

@@ -24,6 +24,7 @@ results/golden/loss_parity_<dtype>.json (per-step losses with the versions that 
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import platform
 import time
@@ -31,6 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+import torch
+from tabulate import tabulate
+
+from core.config import load_config, validate
+from core.parallel.mesh import ParallelDims
+from core.reference import reference_run
+from recipes import launcher
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -50,6 +58,7 @@ PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZer
                 "ZBVZeroBubble", "DualPipeV")
 # flavor per pipeline depth: looped schedules hold 2 stages per rank, one layer each at least
 PP_FLAVOR = {2: "tiny4", 4: "tiny8"}
+GROUP_WORKER = "recipes.studies.group_worker"  # runs a group's jobs inside one torchrun
 
 
 # bf16: inductor keeps fused intermediates in fp32 where eager rounds every op to bf16, so FSDP2
@@ -79,17 +88,25 @@ class Layout:
     tolerance: float = 0.0  # 0: TOLERANCE[dtype]; Float8 layouts carry their own (FLOAT8_TOLERANCE)
 
     @property
+    def dims(self) -> ParallelDims:
+        """The degrees as the trainer's mesh reads them (one arithmetic for both)."""
+        d = ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world_size=0)
+        d.world_size = d.dp * d.non_data_parallel_size
+        return d
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.pp
+        return self.dims.world_size
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     @property
     def bf16_mode(self) -> str:
-        """How the trainer computes in bf16: FSDP2 mixed precision, or autocast without FSDP."""
-        return "params" if self.dp * self.cp > 1 else "autocast"
+        """How the trainer computes in bf16: FSDP2 mixed precision (whenever FSDP is on), or
+        autocast without FSDP."""
+        return "params" if self.dims.fsdp_enabled else "autocast"
 
     def overrides(self, dtype: str) -> list[str]:
         return [*BASE, *DTYPE_OVERRIDES[dtype], f"--model.flavor={self.flavor}",
@@ -158,9 +175,6 @@ _REFERENCE_CACHE: dict[tuple, dict] = {}
 def reference(layout: Layout, dtype: str) -> dict:
     """The single-process run of the layout's config (cached per flavor, dtype and bf16 mode: the
     global batch, token order and everything else are the same for every layout)."""
-    from core.config import load_config, validate
-    from core.reference import reference_run
-
     mode = layout.bf16_mode if dtype == "bf16" else "fp32"
     key = (layout.flavor, dtype, mode)
     if key not in _REFERENCE_CACHE:
@@ -173,26 +187,19 @@ def reference(layout: Layout, dtype: str) -> dict:
 def run_layout(layout: Layout, dtype: str, out_dir: Path) -> dict:
     """Train the layout in its own torchrun, compare with the reference. Returns a result row
     (the CSV columns, plus losses and the per-rank step time and memory of the record)."""
-    from core.config import load_config, validate
-    from recipes.launcher import launch_trainer
-
     overrides = layout.overrides(dtype)
     validate(load_config(None, overrides), layout.world_size, check_files=False)  # before spawning
     (Path(out_dir) / "result.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    record = launch_trainer(layout.world_size, overrides, out_dir)
+    record = launcher.launch_trainer(layout.world_size, overrides, out_dir)
     return compare(layout, dtype, record, time.perf_counter() - t0)
 
 
 def run_grouped(layouts: list[Layout], dtype: str, out_dir: Path, timeout: float = 1800) -> list[dict]:
-    """Faster: one torchrun per world size runs all its layouts one after another (`_worker`),
-    sparing ~10-20 s of start-up per layout. Losses are those of separate runs (each job builds
-    its own mesh, model and data), but the peak RSS of a later job includes the earlier ones."""
-    import subprocess
-    import sys
-    from core.config import load_config, validate
-    from recipes.launcher import launch_env, project_root
-
+    """Faster: one torchrun per world size runs all its layouts one after another
+    (recipes.studies.group_worker), sparing ~10-20 s of start-up per layout. Losses are those of
+    separate runs (each job builds its own mesh, model and data), but the peak RSS of a later job
+    includes the earlier ones."""
     rows: dict[str, dict] = {}
     for world in sorted({l.world_size for l in layouts}):
         group = [l for l in layouts if l.world_size == world]
@@ -207,16 +214,11 @@ def run_grouped(layouts: list[Layout], dtype: str, out_dir: Path, timeout: float
             jobs.append({"name": l.name, "overrides": overrides})
         spec = Path(out_dir).resolve() / f"jobs_{dtype}_w{world}.json"
         spec.write_text(json.dumps(jobs, indent=1))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc_per_node={world}", "-m", "recipes.parity", str(spec)]
+        cmd = launcher.torchrun_command(world, ["-m", GROUP_WORKER, str(spec)])
         log = spec.with_suffix(".log")
         t0 = time.perf_counter()
-        with open(log, "wb") as f:
-            try:
-                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=launch_env("proxy", world),
-                               cwd=project_root(), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass  # the jobs that finished have their result.json
+        # after a timeout, the jobs that finished have their result.json
+        launcher.run_logged(cmd, launcher.launch_env("proxy", world), log, timeout=timeout)
         wall = (time.perf_counter() - t0) / len(group)
         for l in group:
             d = Path(out_dir).resolve() / l.name
@@ -253,47 +255,13 @@ def compare(layout: Layout, dtype: str, record: dict, wall: float) -> dict:
     }
 
 
-def _worker(spec: str) -> int:
-    """Inside torchrun: run each job of the spec with the real trainer (`core.train.run`)."""
-    import torch.distributed as dist
-    from core.config import load_config, validate
-    from core.train import init_distributed, run
-
-    jobs = json.loads(Path(spec).read_text())
-    cfgs = [load_config(None, job["overrides"]) for job in jobs]
-    for cfg in cfgs:
-        validate(cfg, dist_world_size(), check_files=False)
-    init_distributed(cfgs[0])
-    try:
-        for job, cfg in zip(jobs, cfgs):
-            try:
-                run(cfg)
-            except Exception as e:  # noqa: BLE001 - recorded; the next job still runs
-                import traceback
-                traceback.print_exc()
-                if dist.get_rank() == 0:
-                    (Path(cfg.job.output_dir) / "error.txt").write_text(f"{type(e).__name__}: {e}\n")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-def dist_world_size() -> int:
-    import os
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 # ------------------------------------------------------------------------------------ writing
 def versions() -> dict:
-    import torch
-    out = {"torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import torchao
-        out["torchao"] = torchao.__version__
-    except ImportError:
-        out["torchao"] = None
-    return out
+    try:  # the installed version, without importing torchao (its import prints kernel warnings)
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = None
+    return {"torch": torch.__version__, "python": platform.python_version(), "torchao": torchao}
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -369,7 +337,6 @@ def _fmt_csv(v):
 
 
 def markdown(rows: list[dict], details: dict) -> str:
-    from tabulate import tabulate
     v = versions()
     lines = ["# Loss parity: N-D layouts vs the single-process run", "",
              f"Generated by `run-recipe parity` (torch {v['torch']}, torchao {v['torchao']}). Tiny Llama, "
@@ -419,16 +386,12 @@ def markdown(rows: list[dict], details: dict) -> str:
                    "same, but peak memory then includes earlier jobs of the group.")
 def parity(layouts, dtype, list_only, out, results_dir, grouped):
     """Loss parity of N-D layouts against the single-process run (tiny model, 10 steps)."""
-    from tabulate import tabulate
-    from recipes.launcher import project_root
-
     chosen = select([n.strip() for n in layouts.split(",") if n.strip()])
     if list_only:
         click.echo(tabulate([[l.name, l.world_size, l.flavor, " ".join(l.extra)] for l in chosen],
                             headers=["layout", "world", "flavor", "extra"]))
         return
-    root = project_root()
-    out_dir = Path(out) if out else root / "runs" / "parity" / dtype
+    out_dir = Path(out) if out else launcher.default_runs_dir() / "parity" / dtype
     rows = []
     if grouped:
         click.echo(f"[parity] {len(chosen)} layouts, one torchrun per world size ...", err=True)
@@ -452,7 +415,7 @@ def parity(layouts, dtype, list_only, out, results_dir, grouped):
     click.echo(tabulate(table, headers=["layout", "world", "dtype", "steps", "max abs diff", "tolerance",
                                         "passed", "step s", "peak MB/rank"]))
     if rows:
-        write_results(rows, Path(results_dir) if results_dir else root / "results")
+        write_results(rows, Path(results_dir) if results_dir else launcher.results_root())
     if not all(r["passed"] for r in rows):
         raise SystemExit(1)
 
@@ -462,8 +425,3 @@ def failed_row(layout: Layout, dtype: str, error: str) -> dict:
     return {"layout": layout.name, "world_size": layout.world_size, "dtype": dtype, "steps": 0,
             "max_abs_diff": float("nan"), "tolerance": layout.tolerance or TOLERANCE[dtype], "passed": False,
             "losses": [], "reference": [], "error": error.splitlines()[0] if error else ""}
-
-
-if __name__ == "__main__":  # torchrun -m recipes.parity jobs.json (run_grouped's worker)
-    import sys
-    sys.exit(_worker(sys.argv[1]))

@@ -15,17 +15,22 @@ The default interval (5 steps of the debug flavor) leaves time for an upload to 
 the next save; with a shorter one the loop also waits for the previous upload (reported as
 `wait` and included in blocking_s).
 
-    python -m recipes.checkpoint_bench [--out results/checkpoint_overhead.csv] [--flavor debug]
+    run-recipe checkpoint-bench [--out results/checkpoint_overhead.csv] [--flavor debug]
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+
+import click
+import torch.distributed as dist
+
+from core.config import load_config, validate
+from core.train import Trainer
+from recipes import launcher
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 COLUMNS = ("mode", "blocking_s", "total_s")
@@ -34,9 +39,6 @@ COLUMNS = ("mode", "blocking_s", "total_s")
 def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps: int = 26,
             interval: int = 5, seq_len: int = 64, local_batch_size: int = 4) -> dict:
     """Train `steps` steps with checkpoint.async_mode=mode; median timings of the in-loop saves."""
-    from core.config import load_config, validate
-    from core.train import Trainer
-
     cfg = validate(load_config(None, [
         f"--model.flavor={flavor}", "--data.dataset=synthetic", f"--training.seq_len={seq_len}",
         f"--training.local_batch_size={local_batch_size}", f"--training.steps={steps}",
@@ -55,13 +57,16 @@ def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps:
             "saves": len(saves), "first_blocking_s": stats[0]["blocking_s"]}
 
 
-def run_checkpoint_bench(out_csv: str | os.PathLike = "results/checkpoint_overhead.csv",
+def default_csv() -> Path:
+    return launcher.results_root() / "checkpoint_overhead.csv"
+
+
+def run_checkpoint_bench(out_csv: str | os.PathLike | None = None,
                          flavor: str = "debug", steps: int = 26, interval: int = 5,
                          work_dir: str | os.PathLike | None = None) -> list[dict]:
     """Measure every mode and write `out_csv` (columns mode, blocking_s, total_s). Runs in this
     process, in the world-1 group it finds or creates (one group for all modes: the pinned
     mode's background save process is bound to it)."""
-    import torch.distributed as dist
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -75,7 +80,7 @@ def run_checkpoint_bench(out_csv: str | os.PathLike = "results/checkpoint_overhe
     finally:
         if owned:
             dist.destroy_process_group()
-    out = Path(out_csv)
+    out = Path(out_csv) if out_csv else default_csv()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
@@ -88,7 +93,7 @@ def run_checkpoint_bench(out_csv: str | os.PathLike = "results/checkpoint_overhe
 def benchmark_rows(quick: bool = False) -> list[dict]:
     """Checkpoint overhead: sync vs async DCP save (results/checkpoint_overhead.csv)"""
     shape = dict(flavor="tiny", steps=5, interval=1) if quick else dict(flavor="debug", steps=26, interval=5)
-    rows = run_checkpoint_bench(Path("results") / "checkpoint_overhead.csv", **shape)
+    rows = run_checkpoint_bench(default_csv(), **shape)
     sync = rows[0]
     out = []
     for r in rows[1:]:
@@ -100,22 +105,19 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/checkpoint_overhead.csv")
-    parser.add_argument("--flavor", default="debug")
-    parser.add_argument("--steps", type=int, default=26)
-    parser.add_argument("--interval", type=int, default=5)
-    a = parser.parse_args(argv)
-    rows = run_checkpoint_bench(a.out, a.flavor, a.steps, a.interval)
+@click.command("checkpoint-bench")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="The CSV (default: results/checkpoint_overhead.csv).")
+@click.option("--flavor", default="debug", show_default=True)
+@click.option("--steps", type=int, default=26, show_default=True)
+@click.option("--interval", type=int, default=5, show_default=True)
+def checkpoint_bench(out, flavor, steps, interval):
+    """Checkpoint overhead: training-loop time blocked by a sync vs an async DCP save."""
+    out = Path(out) if out else default_csv()
+    rows = run_checkpoint_bench(out, flavor, steps, interval)
     sync = rows[0]["blocking_s"]
     for r in rows:
-        print(f"{r['mode']:>22}: blocks {r['blocking_s']:.3f} s per save ({sync / r['blocking_s']:.1f}x less "
-              f"than sync; {r['wait_s']:.3f} s of it waiting for the previous upload), complete after "
-              f"{r['total_s']:.3f} s  [{r['saves']} saves; the first save blocked {r['first_blocking_s']:.3f} s]")
-    print(f"-> {a.out}")
-    return 0
-
-
-if __name__ == "__main__":  # the process-based async save re-imports __main__
-    sys.exit(main())
+        click.echo(f"{r['mode']:>22}: blocks {r['blocking_s']:.3f} s per save ({sync / r['blocking_s']:.1f}x less "
+                   f"than sync; {r['wait_s']:.3f} s of it waiting for the previous upload), complete after "
+                   f"{r['total_s']:.3f} s  [{r['saves']} saves; the first save blocked {r['first_blocking_s']:.3f} s]")
+    click.echo(f"-> {out}")

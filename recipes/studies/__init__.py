@@ -1,0 +1,8 @@
+"""Studies: measurements around the run path, each a `run-recipe` subcommand.
+
+parity (loss parity of N-D layouts vs one process), convergence (the loss-convergence rows),
+bench (trainer overhead, MFU, FSDP memory; runs toggles_bench and checkpoint_bench too),
+toggles_bench, checkpoint_bench, cp_memory. group_worker runs several trainer jobs inside one
+torchrun (parity's grouped runs). Studies use the run path (launcher, results); it never
+imports them (the CLI finds them by name).
+"""

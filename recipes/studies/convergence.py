@@ -1,0 +1,206 @@
+"""`run-recipe convergence`: the four loss-convergence rows as CPU proxies, plotted and checked.
+
+The paper trains Llama 3.1 8B for 3,000 steps in four layouts (1D FSDP; 3D FSDP+TP+PP with
+compile, Float8, AsyncTP, Interleaved 1F1B; the 3D run + CP; FSDP+CP) and shows the loss
+curves overlap. Here each row's proxy (see llama3_8b/loss_convergence/defaults.toml: tiny4,
+seq 128, FSDP 2 x local batch 4 in every layout, BF16 params + FP32 reduce, 500 steps, warmup
+100) runs through the normal launcher (torchrun -> core.train; the record is copied to
+results/records/proxy/). Then `run-recipe results` makes the curves, the plot and the check
+from the records (recipes/loss_curves.py), and, for full-length runs of every row, this writes
+
+    results/golden/loss_convergence.json   per-step losses + versions
+
+whose first PREFIX_STEPS steps tests/test_convergence.py re-runs on every CI run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from recipes import launcher, results
+from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
+from recipes.schema import Recipe
+
+# Regression prefix: the first PREFIX_STEPS steps of each row, re-run on every CI run, must match
+# the golden prefix within PREFIX_TOLERANCE (nats, per step). The steps lie inside the warmup, whose
+# LR does not depend on training.steps, so a short run is exactly the long run's prefix.
+PREFIX_STEPS = 10
+PREFIX_TOLERANCE = 2e-3
+
+
+# ------------------------------------------------------------------------------------ running
+def warmup_for(steps: int, recipe: Recipe | None = None) -> int:
+    """The recipe's warmup:steps ratio (the paper's 600:3000) applied to `steps`."""
+    cfg = (recipe or control()).job_config("proxy")
+    return max(1, round(steps * cfg.lr_scheduler.warmup_steps / cfg.training.steps))
+
+
+def prefix_overrides(k: int = PREFIX_STEPS) -> list[str]:
+    """Overrides that make a run exactly the first k steps of the full-length proxy run."""
+    cfg = control().job_config("proxy")
+    if k > cfg.lr_scheduler.warmup_steps:
+        raise ValueError(f"a {k}-step prefix leaves the warmup ({cfg.lr_scheduler.warmup_steps} "
+                         "steps), where the LR depends on training.steps")
+    return [f"training.steps={k}", "metrics.progress=false"]
+
+
+# Long runs checkpoint every RESUME_INTERVAL steps and, when the trainer dies (a rank or the
+# torchrun agent killed from outside, as happens on a shared machine), are relaunched in the same
+# directory, where the trainer resumes from its latest complete checkpoint (exact resume: model,
+# optimizer, LR schedule, data position, RNG). The per-step losses of all attempts come from
+# metrics.jsonl (log_freq 1); steps logged twice must agree, which checks the resume.
+RESUME_INTERVAL = 50
+RESUME_ATTEMPTS = 5
+RESUME_OVERRIDES = ["checkpoint.enabled=true", f"checkpoint.interval={RESUME_INTERVAL}",
+                    "checkpoint.keep_latest_k=1", "metrics.log_freq=1"]
+
+
+def _stitch(run_dir: Path, record: dict, attempts: int) -> dict:
+    """A resumed run's record with the losses of every attempt (steps 1..N) from metrics.jsonl."""
+    seen: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        seen.setdefault(int(row["step"]), []).append(float(row["loss"]))
+    steps = int(record["start_step"]) + len(record["losses"])
+    missing = [s for s in range(1, steps + 1) if s not in seen]
+    if missing:
+        raise RuntimeError(f"{run_dir}: metrics.jsonl lacks steps {missing[:5]}... to stitch the resumed run")
+    overlap = max((abs(v[-1] - v[0]) for v in seen.values() if len(v) > 1), default=0.0)
+    record = dict(record)
+    record["resumed"] = {"attempts": attempts, "last_start_step": record["start_step"],
+                         "replayed_steps_max_abs_diff": overlap,
+                         "note": "losses of steps before start_step are the earlier attempts' (metrics.jsonl)"}
+    record["losses"] = [seen[s][-1] for s in range(1, steps + 1)]
+    record["steps"] = steps
+    record["start_step"] = 0
+    return record
+
+
+def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
+            records_dir: Path | None = None, echo: bool = True, resumable: bool = False) -> tuple[dict, float]:
+    """One proxy run of a row through the launcher (as `run-recipe run ID --mode proxy`).
+    resumable: checkpoint and relaunch after a failure (see RESUME_INTERVAL); run_dir is then
+    emptied first. Returns (record, wall seconds of all attempts). Raises RuntimeError with the
+    log's tail on failure."""
+    overrides = list(overrides) + (RESUME_OVERRIDES if resumable else [])
+    cfg = launcher.resolve_config(recipe, "proxy", overrides, check_files=True)
+    if resumable and run_dir is not None and Path(run_dir).exists():
+        shutil.rmtree(run_dir)  # a fresh run: never resume an older run's checkpoint
+    run_dir = launcher.make_run_dir(recipe, run_dir, several=False)
+    job = launcher.write_job(cfg, run_dir)
+    world = cfg.parallelism.world_size
+    cmd = launcher.local_command(world, job)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    env = launcher.launch_env("proxy", world)
+    # a persistent inductor cache: the compiled 3D/4D rows compile once per machine, not per run
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
+    result = run_dir / "result.json"
+    t0 = time.perf_counter()
+    for attempt in range(1, (RESUME_ATTEMPTS if resumable else 1) + 1):
+        if echo:
+            click.echo(f"== {recipe.id} · proxy · world {world} · {run_dir}"
+                       + (f" · attempt {attempt}" if attempt > 1 else ""))
+        log = run_dir / f"train{'' if attempt == 1 else f'.{attempt}'}.log"
+        rc = launcher.run_logged(cmd, env, log, echo)
+        if rc == 0 and result.is_file():
+            break
+        if echo and resumable:
+            click.echo(f"[convergence] {recipe.id}: attempt {attempt} failed (exit {rc}); resuming from "
+                       "the latest checkpoint", err=True)
+    wall = time.perf_counter() - t0
+    if rc != 0 or not result.is_file():
+        raise RuntimeError(f"{recipe.id}: trainer failed (exit {rc}); log {log}:\n{launcher.log_tail(log, 40)}")
+    record = json.loads(result.read_text())
+    if record.get("start_step"):
+        record = _stitch(run_dir, record, attempt)
+        tmp = result.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(result)
+    launcher.copy_record(result, records_dir, "proxy", recipe)
+    return record, wall
+
+
+def golden_payload(records: dict[str, dict]) -> dict:
+    base = records[control().id]
+    return {
+        "what": "per-step training losses of the loss-convergence proxies (run-recipe convergence)",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": base.get("versions"),
+        "hardware": base.get("hardware"),
+        "prefix_steps": PREFIX_STEPS,
+        "prefix_tolerance": PREFIX_TOLERANCE,
+        "tolerance": TOLERANCE,
+        "rows": {rid: {"losses": rec["losses"], "world_size": rec["world_size"],
+                       "layout": record_label(rec),
+                       "toggles_applied": rec.get("toggles_applied"),
+                       "toggles_skipped": rec.get("toggles_skipped"),
+                       "config": rec.get("config")}
+                 for rid, rec in records.items()},
+    }
+
+
+def golden_path(results_dir: Path | None = None) -> Path:
+    return (results_dir or launcher.results_root()) / "golden" / "loss_convergence.json"
+
+
+# ------------------------------------------------------------------------------------ command
+@click.command("convergence")
+@click.option("--steps", type=click.IntRange(min=PREFIX_STEPS), default=None,
+              help="Steps per run (default: the rows' 500). Warmup keeps the rows' 1:5 ratio.")
+@click.option("--only", "only", multiple=True, metavar="ID",
+              help="Run only these rows (ids or their last part); the others' records are reused.")
+@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
+              help="Where records go and are read (default: results/records).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where the outputs go (default: results/).")
+@click.option("--golden/--no-golden", default=None,
+              help="Rewrite results/golden/loss_convergence.json (default: only for full-length runs).")
+def convergence(steps, only, records_dir, out_dir, golden):
+    """Run the four loss-convergence rows as proxies, then plot and check them against 1D."""
+    records_root = Path(records_dir) if records_dir else launcher.default_records_dir()
+    out = Path(out_dir) if out_dir else launcher.results_root()
+    chosen = rows()
+    if only:
+        wanted = set(only)
+        chosen = [r for r in chosen if r.id in wanted or column(r.id) in wanted]
+        if not chosen:
+            click.echo(f"error: --only matches none of: {', '.join(r.id for r in rows())}", err=True)
+            sys.exit(2)
+    full = control().job_config("proxy").training.steps
+    steps = steps or full
+    overrides = [f"training.steps={steps}", f"lr_scheduler.warmup_steps={warmup_for(steps)}"]
+    walls = {}
+    for r in chosen:
+        try:
+            _, walls[r.id] = run_row(r, overrides, run_dir=launcher.default_runs_dir() / "convergence" / r.fname,
+                                     records_dir=records_root, resumable=True)
+        except (RuntimeError, ValueError) as e:
+            click.echo(f"FAILED: {e}", err=True)
+            sys.exit(1)
+        click.echo(f"[convergence] {r.id}: {walls[r.id]:.0f} s")
+    records = {rid: rec for (rid, mode), rec in results.load_records(records_root).items()
+               if mode == "proxy" and rid in {r.id for r in rows()}}
+    for path in results.write_results(records_root, out):
+        click.echo(str(path))
+    checked = check(records)
+    for res in checked:
+        click.echo(f"[convergence] {res['column']}: {res['status']}"
+                   + (f" (trailing mean |Δ| {res['mean_abs_diff_smoothed']:.4f} vs tolerance "
+                      f"{res['tolerance']:g})" if res.get("mean_abs_diff_smoothed") is not None else ""))
+    all_full = len(records) == len(rows()) and all(len(rec["losses"]) == full for rec in records.values())
+    if golden or (golden is None and all_full and steps == full):
+        if not all_full:
+            click.echo("error: --golden needs full-length records of every row", err=True)
+            sys.exit(2)
+        path = golden_path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(golden_payload(records), indent=1) + "\n")
+        click.echo(str(path))
+    if any(res.get("passed") is False for res in checked):
+        sys.exit(1)
