@@ -1,11 +1,14 @@
-"""Launch the real trainer under torchrun for multi-process tests, and read its record."""
+"""Launch the real trainer under torchrun for multi-process tests, and read its record.
+
+Commands and environments come from recipes.launcher (the one place a torchrun command is built).
+"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from recipes import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,14 +20,22 @@ TINY_JOB = [
 ]
 
 
+def dist_env(nproc: int = 2) -> dict[str, str]:
+    """The launcher's CPU environment, one thread per rank at every world size (the tests compare
+    with in-process references), and the checkout's persistent inductor cache unless one is set."""
+    env = launcher.launch_env("proxy", nproc, OMP_NUM_THREADS="1")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
+    return env
+
+
+torchrun_command = launcher.torchrun_command
+
+
 def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float = 600) -> dict:
     """torchrun --standalone -m core.train; returns result.json. Raises with the log on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={nproc}", "-m", "core.train", f"--job.output_dir={out_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = torchrun_command(nproc, launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides]))
+    proc = subprocess.run(cmd, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True, timeout=timeout)
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

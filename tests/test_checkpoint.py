@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from core.checkpoint import (CheckpointError, complete_steps, import_hf,
                              load_model_weights, main as ckpt_main, read_metadata, resolve)
 from core.config import ConfigError, load_config, validate
-from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer
+from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, run_trainer, torchrun_command
 
 pytestmark = pytest.mark.checkpoint
 
@@ -272,12 +271,11 @@ def _driver_cmd(nproc: int, root: Path, jobs: list[tuple], max_restarts: int = 0
     plan = {"root": str(root), "jobs": [{"name": j[0], "overrides": [*TINY_JOB, *j[1]],
                                          "env": j[2] if len(j) > 2 else {}} for j in jobs]}
     (root / "plan.json").write_text(json.dumps(plan))
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={max_restarts}", str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")]
+    return torchrun_command(nproc, [str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")],
+                            max_restarts=max_restarts)
 
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as recipes.launcher.launch_env (pytorch#135712)
+ENV = dist_env()
 
 
 def _driver(nproc: int, root: Path, jobs: list[tuple], timeout: float = 900) -> dict:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from core.config import (PP_SCHEDULES, PP_SCHEDULES_SINGLE, ConfigError, load_co
                          validate)
 from core.parallel.pipeline import (bubble_fraction, library_schedules, split_layers, stage_ids_for_rank,
                                     stage_module)
-from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff
+from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, torchrun_command
 
 pytestmark = [pytest.mark.parity]
 
@@ -176,9 +174,8 @@ def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, d
     spec = out / f"jobs_w{world}.json"
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(specs))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={world}", "-m", "recipes.studies.group_worker", str(spec)]
+    env = dist_env(world)
+    cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     records, missing = {}, []
     for name in jobs:
