@@ -1,6 +1,8 @@
 """Recipe rows as data: discovery, validation in both modes, proxy fidelity, reference figures."""
 from __future__ import annotations
 
+import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,28 @@ def test_deep_merge_tables_merge_values_replace():
     out = deep_merge(base, {"a": {"y": [3]}, "c": 2})
     assert out == {"a": {"x": 1, "y": [3]}, "b": 1, "c": 2}
     assert base == {"a": {"x": 1, "y": [1, 2]}, "b": 1}
+
+
+def _recipes_imports() -> dict[str, set[str]]:
+    """recipes.* module -> the recipes.* modules it imports (anywhere in the file)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "recipes").rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in files and m != name and m != "recipes"}
+    return graph
+
+
+def test_recipes_imports_run_one_way():
+    """No import cycle in recipes/; the run path never imports a study (the CLI finds them by name)."""
+    graph = _recipes_imports()
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+    upward = [(m, d) for m, deps in graph.items() if not m.startswith("recipes.studies")
+              for d in deps if d.startswith("recipes.studies")]
+    assert not upward, upward
