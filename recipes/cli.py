@@ -17,8 +17,11 @@ import sys
 from pathlib import Path
 
 import click
+from tabulate import tabulate
 
-from recipes import registry
+from core.config import ConfigError, JobConfig, validate
+from recipes import launcher, registry
+from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
 # name -> ("module:attribute" of a click command, imported lazily; its line in `--help`).
@@ -100,15 +103,12 @@ def list_cmd(ids, table, markdown):
     """The recipe rows: id, table, row, paper GPUs, proxy world size, modes runnable here."""
     recipes = registry.by_table(table) if table else registry.all_recipes()
     if markdown:
-        from recipes.readme import recipe_table
         click.echo(recipe_table(recipes))
         return
     if ids:
         for r in recipes:
             click.echo(r.id)
         return
-    from tabulate import tabulate
-    from recipes import launcher
     dry = launcher.dry_run_available()
     gpus = _visible_gpus()
     rows = []
@@ -130,7 +130,7 @@ def list_cmd(ids, table, markdown):
 
 def _visible_gpus() -> int:
     try:
-        import torch
+        import torch  # here: the CLI must not pay torch's import unless it looks at the GPUs
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - listing must work whatever the torch build
         return 0
@@ -152,9 +152,6 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
 def show_cmd(recipe_id, as_json):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
-    from tabulate import tabulate
-    from core.config import ConfigError, JobConfig
-    from recipes import launcher
     try:
         r = registry.get(recipe_id)
         cfgs = {m: launcher.resolve_config(r, m) for m in ("real", "proxy")}
@@ -178,7 +175,7 @@ def show_cmd(recipe_id, as_json):
     skip = ("job.", "tokenizer.path", "data.path")
     rows = [[k, _short(paper[k]), _short(proxy[k])] for k in paper
             if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)]
-    rows += [[k, _rel(paper[k]), _rel(proxy[k])] for k in ("tokenizer.path", "data.path")]
+    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k])] for k in ("tokenizer.path", "data.path")]
     click.echo(f"{r.id} — {r.title}")
     click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
     if r.baseline:
@@ -212,14 +209,6 @@ def _short(v) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def _rel(v) -> str:
-    from recipes.launcher import project_root
-    try:
-        return str(Path(v).relative_to(project_root()))
-    except ValueError:
-        return str(v)
-
-
 # ---------------------------------------------------------------------------------- run
 @main.command("run")
 @click.argument("ids", nargs=-1)
@@ -243,8 +232,6 @@ def _rel(v) -> str:
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
-    from core.config import ConfigError, validate
-    from recipes import launcher
 
     recipes = _select(ids, table)
     if slurm and mode != "real":
@@ -336,7 +323,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
               help="Where the tables go (default: results/).")
 def results_cmd(records_dir, out_dir):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
-    from recipes import launcher, results
+    from recipes import results  # pandas + matplotlib: only for the command that writes tables
     records = Path(records_dir) if records_dir else launcher.default_records_dir()
     out = Path(out_dir) if out_dir else launcher.project_root() / "results"
     for path in results.write_results(records, out):

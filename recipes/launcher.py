@@ -45,6 +45,14 @@ def default_records_dir() -> Path:
     return results_root() / "records"
 
 
+def relative(path: str | Path, start: str | Path | None = None) -> str:
+    """path relative to start (default: the project root) when inside it, else as given."""
+    try:
+        return str(Path(path).relative_to(start or project_root()))
+    except ValueError:
+        return str(path)
+
+
 class CannotRunHere(RuntimeError):
     """The mode cannot run on this machine / in this build (exit code 3)."""
 

@@ -21,8 +21,11 @@ Any of these may instead come from a `defaults.toml` (suite, package, table): se
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from core.config import JobConfig, Parallelism, apply_dict
 
 MODES = ("real", "proxy", "dry-run")
 TABLES = ("table1", "table2", "table3", "table4", "table5", "loss_convergence")
@@ -80,9 +83,8 @@ class Recipe:
             return deep_merge(self.paper_config, self.proxy_config)
         return copy.deepcopy(self.paper_config)
 
-    def job_config(self, mode: str):
+    def job_config(self, mode: str) -> JobConfig:
         """JobConfig defaults <- the mode's overlay, with job.recipe/mode/name set. Not validated."""
-        from core.config import JobConfig, apply_dict
         cfg = apply_dict(JobConfig(), self.overlay(mode), self.source or self.id)
         cfg.job.recipe = self.id
         cfg.job.mode = mode
@@ -91,15 +93,11 @@ class Recipe:
 
     def degrees(self, mode: str) -> dict[str, int]:
         """Parallel degrees as written (dp_shard must be explicit in recipes: no -1 fill)."""
-        from core.config import Parallelism
         p = self.overlay(mode).get("parallelism", {})
         return {d: p.get(d, getattr(Parallelism(), d)) for d in PARALLEL_DIMS}
 
     def world(self, mode: str) -> int:
-        w = 1
-        for v in self.degrees(mode).values():
-            w *= v
-        return w
+        return math.prod(self.degrees(mode).values())
 
     def nnodes(self, world: int | None = None) -> int:
         world = self.gpus if world is None else world

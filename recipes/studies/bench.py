@@ -8,30 +8,26 @@ optimizer state held by one rank), plus the rows other benchmarks add (checkpoin
 """
 from __future__ import annotations
 
-import csv
 import statistics
 import tempfile
 from pathlib import Path
 
 import click
-import torch.distributed as dist
 
 from core.config import load_config, validate
 from core.reference import reference_run
-from core.train import Trainer, init_distributed
+from core.train import Trainer
 from recipes import launcher
+from recipes.results import read_csv, write_csv
+from recipes.studies.common import one_rank_group, synthetic_job
 from recipes.studies import checkpoint_bench, toggles_bench
 
 COLUMNS = ["benchmark", "value", "unit", "notes"]
 
 
 def _bench_config(flavor: str, seq_len: int, batch: int, steps: int, dtype: str):
-    cfg = load_config(None, [
-        f"model.flavor={flavor}", "data.dataset=synthetic", f"training.seq_len={seq_len}",
-        f"training.local_batch_size={batch}", f"training.steps={steps}",
-        f"training.mixed_precision_param={dtype}", "metrics.progress=false",
-        "lr_scheduler.warmup_steps=1",
-    ])
+    cfg = load_config(None, synthetic_job(flavor, seq_len, batch, steps, f"--training.mixed_precision_param={dtype}",
+                                          "--lr_scheduler.warmup_steps=1"))
     return validate(cfg, 1, check_files=False)
 
 
@@ -41,17 +37,13 @@ def trainer_vs_bare_loop(flavor: str = "small", seq_len: int = 256, batch: int =
     cfg = _bench_config(flavor, seq_len, batch, steps, dtype)
     tokens = seq_len * batch
     trainer_times, bare_times, records = [], [], []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, one_rank_group(cfg):
         cfg.job.output_dir = tmp
-        init_distributed(cfg)
-        try:
-            for _ in range(rounds):
-                rec = Trainer(cfg).train()
-                records.append(rec)
-                trainer_times += rec["step_times_s"][1:]
-                bare_times += reference_run(cfg)["step_times_s"][1:]
-        finally:
-            dist.destroy_process_group()
+        for _ in range(rounds):
+            rec = Trainer(cfg).train()
+            records.append(rec)
+            trainer_times += rec["step_times_s"][1:]
+            bare_times += reference_run(cfg)["step_times_s"][1:]
     t_trainer, t_bare = statistics.median(trainer_times), statistics.median(bare_times)
     rec = records[-1]
     return {
@@ -67,9 +59,7 @@ def fsdp_state_bytes(worlds=(1, 2, 4), flavor: str = "debug") -> dict[int, int]:
     out = {}
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
-            rec = launcher.launch_trainer(world, [f"--model.flavor={flavor}", "--data.dataset=synthetic",
-                                         "--training.seq_len=64", "--training.local_batch_size=2",
-                                         "--training.steps=2", "--metrics.progress=false"], Path(tmp))
+            rec = launcher.launch_trainer(world, synthetic_job(flavor, 64, 2, 2), Path(tmp))
         out[world] = max(p + o for p, o in zip(rec["param_bytes_per_rank"], rec["optimizer_bytes_per_rank"]))
     return out
 
@@ -78,19 +68,9 @@ def write_rows(rows: list[dict], path: Path | None = None) -> None:
     """Replace the rows this run measured in results/benchmarks.csv, keep the others (written by
     other benchmarks)."""
     path = path or launcher.results_root() / "benchmarks.csv"
-    kept = []
-    if path.is_file():
-        names = {r["benchmark"] for r in rows}
-        with open(path) as f:
-            kept = [r for r in csv.DictReader(f) if r["benchmark"] not in names]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in kept + rows:
-            w.writerow({k: r[k] for k in COLUMNS})
-    tmp.replace(path)
+    names = {r["benchmark"] for r in rows}
+    kept = [r for r in read_csv(path) if r["benchmark"] not in names]
+    write_csv(path, kept + rows, COLUMNS)
 
 
 @click.command("bench")

@@ -19,18 +19,18 @@ the next save; with a shorter one the loop also waits for the previous upload (r
 """
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
 import click
-import torch.distributed as dist
 
 from core.config import load_config, validate
 from core.train import Trainer
 from recipes import launcher
+from recipes.results import write_csv
+from recipes.studies.common import one_rank_group, synthetic_job
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 COLUMNS = ("mode", "blocking_s", "total_s")
@@ -39,12 +39,9 @@ COLUMNS = ("mode", "blocking_s", "total_s")
 def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps: int = 26,
             interval: int = 5, seq_len: int = 64, local_batch_size: int = 4) -> dict:
     """Train `steps` steps with checkpoint.async_mode=mode; median timings of the in-loop saves."""
-    cfg = validate(load_config(None, [
-        f"--model.flavor={flavor}", "--data.dataset=synthetic", f"--training.seq_len={seq_len}",
-        f"--training.local_batch_size={local_batch_size}", f"--training.steps={steps}",
-        "--metrics.progress=false", f"--job.output_dir={out_dir}", "--checkpoint.enabled=true",
-        f"--checkpoint.interval={interval}", f"--checkpoint.async_mode={mode}",
-    ]), 1, check_files=False)
+    cfg = validate(load_config(None, synthetic_job(
+        flavor, seq_len, local_batch_size, steps, f"--job.output_dir={out_dir}", "--checkpoint.enabled=true",
+        f"--checkpoint.interval={interval}", f"--checkpoint.async_mode={mode}")), 1, check_files=False)
     trainer = Trainer(cfg)
     trainer.train()
     stats = trainer.checkpointer.stats
@@ -67,26 +64,12 @@ def run_checkpoint_bench(out_csv: str | os.PathLike | None = None,
     """Measure every mode and write `out_csv` (columns mode, blocking_s, total_s). Runs in this
     process, in the world-1 group it finds or creates (one group for all modes: the pinned
     mode's background save process is bound to it)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise RuntimeError("the checkpoint benchmark runs in one process (world 1)")
     rows = []
-    try:
-        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-            for mode in MODES:
-                rows.append(measure(mode, Path(tmp) / mode, flavor, steps, interval))
-    finally:
-        if owned:
-            dist.destroy_process_group()
-    out = Path(out_csv) if out_csv else default_csv()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        for r in rows:
-            w.writerow([r["mode"], f"{r['blocking_s']:.4f}", f"{r['total_s']:.4f}"])
+    with one_rank_group(), tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        for mode in MODES:
+            rows.append(measure(mode, Path(tmp) / mode, flavor, steps, interval))
+    write_csv(out_csv or default_csv(), [{"mode": r["mode"], "blocking_s": f"{r['blocking_s']:.4f}",
+                                          "total_s": f"{r['total_s']:.4f}"} for r in rows], COLUMNS)
     return rows
 
 

@@ -25,14 +25,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from core.config import load_config, validate
 from core.train import Trainer, init_distributed
 from recipes import launcher
+from recipes.studies.common import synthetic_job
 
 WORKER = "recipes.studies.cp_memory"  # each rank of a measurement runs this module's __main__
 
 
 def _overrides(cp: int, seq: int, flavor: str) -> list[str]:
-    return [f"--model.flavor={flavor}", "--data.dataset=synthetic", f"--training.seq_len={seq}",
-            "--training.local_batch_size=1", "--training.steps=2", f"--parallelism.cp={cp}",
-            "--parallelism.dp_shard=1", "--metrics.progress=false"]
+    return synthetic_job(flavor, seq, 1, 2, f"--parallelism.cp={cp}", "--parallelism.dp_shard=1")
 
 
 def _worker(out: str, overrides: list[str]) -> int:

@@ -23,7 +23,6 @@ results/golden/loss_parity_<dtype>.json (per-step losses with the versions that 
 """
 from __future__ import annotations
 
-import csv
 import importlib.metadata
 import json
 import platform
@@ -39,6 +38,7 @@ from core.config import load_config, validate
 from core.parallel.mesh import ParallelDims
 from core.reference import reference_run
 from recipes import launcher
+from recipes.results import read_csv, write_csv
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -264,20 +264,13 @@ def versions() -> dict:
     return {"torch": torch.__version__, "python": platform.python_version(), "torchao": torchao}
 
 
-def _read_csv(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def write_results(rows: list[dict], results_dir: Path) -> None:
     """Merge rows into results/loss_parity.csv (keyed by layout and dtype), regenerate the
     Markdown table from it, and merge the per-step losses into the golden JSON per dtype."""
     results_dir.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = results_dir / "loss_parity.csv", results_dir / "loss_parity.md"
     detail_path = results_dir / "golden" / "loss_parity_detail.json"
-    merged = {(r["layout"], r["dtype"]): r for r in _read_csv(csv_path)}
+    merged = {(r["layout"], r["dtype"]): r for r in read_csv(csv_path)}
     details = json.loads(detail_path.read_text()) if detail_path.is_file() else {}
     for r in rows:
         merged[(r["layout"], r["dtype"])] = {c: r[c] for c in CSV_COLUMNS}
@@ -292,11 +285,7 @@ def write_results(rows: list[dict], results_dir: Path) -> None:
     order = {l.name: i for i, l in enumerate(LAYOUTS)}
     keyed = sorted(merged.values(), key=lambda r: (r["dtype"] != "fp32", r["dtype"],
                                                    order.get(r["layout"], 1e9), r["layout"]))
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for r in keyed:
-            w.writerow({c: _fmt_csv(r[c]) for c in CSV_COLUMNS})
+    write_csv(csv_path, [{c: _fmt_csv(r[c]) for c in CSV_COLUMNS} for r in keyed], CSV_COLUMNS)
     (detail_path.parent).mkdir(parents=True, exist_ok=True)
     detail_path.write_text(json.dumps(details, indent=1, sort_keys=True) + "\n")
     md_path.write_text(markdown(keyed, details))

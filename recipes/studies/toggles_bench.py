@@ -18,7 +18,6 @@ Step times come from real Trainers (world 1) built side by side and stepped roun
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import resource
@@ -41,8 +40,10 @@ from core.models.llama3 import FLAVORS, build_model
 from core.optim.compile import apply_compile
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
-from core.train import Trainer, init_distributed
+from core.train import Trainer
 from recipes import launcher
+from recipes.results import write_csv
+from recipes.studies.common import one_rank_group, synthetic_job
 
 PROBE_MODULE = "recipes.studies.toggles_bench"  # run as `python -m` for a cold-compile probe
 CSV_COLUMNS = ["section", "name", "metric", "value", "unit", "ratio", "ratio_of", "notes"]
@@ -56,29 +57,13 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _overrides(flavor: str, seq_len: int, batch: int, steps: int, dtype: str) -> list[str]:
-    return [f"model.flavor={flavor}", "data.dataset=synthetic", f"training.seq_len={seq_len}",
-            f"training.local_batch_size={batch}", f"training.steps={steps}",
-            f"training.mixed_precision_param={dtype}", "metrics.progress=false",
-            "lr_scheduler.warmup_steps=2", "optimizer.lr=1e-3"]
+    return synthetic_job(flavor, seq_len, batch, steps, f"--training.mixed_precision_param={dtype}",
+                         "--lr_scheduler.warmup_steps=2", "--optimizer.lr=1e-3")
 
 
 def _trainer(base: list[str], extra: list[str], out: str):
     cfg = validate(load_config(None, base + extra + [f"job.output_dir={out}"]), 1, check_files=False)
     return Trainer(cfg)
-
-
-class _ProcessGroup:
-    """A one-rank gloo group for in-process trainers (left alone if one exists)."""
-
-    def __enter__(self):
-        self.created = not dist.is_initialized()
-        if self.created:
-            init_distributed(load_config(None, []))
-        return self
-
-    def __exit__(self, *exc):
-        if self.created:
-            dist.destroy_process_group()
 
 
 def _median(times: list[float]) -> float:
@@ -118,7 +103,7 @@ def ac_table(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: i
     (interleaved trainers), max loss diff vs no AC."""
     base = _overrides(flavor, seq_len, batch, steps, dtype)
     rows = []
-    with _ProcessGroup(), tempfile.TemporaryDirectory() as tmp:
+    with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, AC_MODES, steps, out=tmp)
         for name, run in runs.items():
             trainer = run["trainer"]
@@ -145,7 +130,7 @@ def compile_speedup(flavor: str = "debug", seq_len: int = 256, batch: int = 8, s
                     dtype: str = "bfloat16") -> dict:
     """Step time eager vs per-block compile (trainers interleaved step by step, world 1)."""
     base = _overrides(flavor, seq_len, batch, steps, dtype)
-    with _ProcessGroup(), tempfile.TemporaryDirectory() as tmp:
+    with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, {"eager": [], "compile": ["compile.enabled=true"]}, steps, out=tmp)
     eager, compiled = _median(runs["eager"]["times"]), _median(runs["compile"]["times"])
     return {"eager_step_s": eager, "compile_step_s": compiled, "speedup": eager / compiled,
@@ -217,7 +202,7 @@ def float8_deviation(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, st
     base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
     variants = {"bf16": [], **{r: ["float8.enabled=true", f"float8.recipe={r}"] for r in FLOAT8_RECIPES},
                 "tensorwise_emulated": ["float8.enabled=true", "float8.emulate=true"]}
-    with _ProcessGroup(), tempfile.TemporaryDirectory() as tmp:
+    with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, variants, steps, warmup=0, out=tmp)
     ref = runs.pop("bf16")
     # warmup=0: every step's loss is compared; times drop the first step (lazy init)
@@ -234,12 +219,11 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
     ref = reference_run(validate(load_config(None, base), 1, check_files=False))["losses"]
     fp8 = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
            "float8.precompute_float8_dynamic_scale_for_fsdp=true"]
-    world2 = [o for o in base if "local_batch_size" not in o] + [f"training.local_batch_size={batch // 2}",
-                                                                 "parallelism.dp_shard=2"]
+    world2 = _overrides(flavor, seq_len, batch // 2, steps, "bfloat16") + ["--parallelism.dp_shard=2"]
     out, losses = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("bf16", []), ("float8", fp8)):
-            rec = launcher.launch_trainer(2, ["--" + o for o in world2 + extra], f"{tmp}/{name}")
+            rec = launcher.launch_trainer(2, world2 + ["--" + o for o in extra], f"{tmp}/{name}")
             losses[name] = rec["losses"]
             out[name] = {"max_loss_diff": _max_diff(rec["losses"], ref),
                          "step_s": _median(rec["step_times_s"][1:]), "applied": rec["toggles_applied"]}
@@ -338,10 +322,7 @@ def markdown(m: dict) -> str:
 def write_results(m: dict, results_dir: Path | None = None) -> None:
     results_dir = results_dir or launcher.results_root()
     results_dir.mkdir(parents=True, exist_ok=True)
-    with open(results_dir / "toggles.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(csv_rows(m))
+    write_csv(results_dir / "toggles.csv", csv_rows(m), CSV_COLUMNS)
     (results_dir / "toggles.md").write_text(markdown(m))
     (results_dir / "toggles.json").write_text(json.dumps(m, indent=1) + "\n")
 
