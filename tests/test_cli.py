@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from click.testing import CliRunner
 
 from recipes import launcher, registry
@@ -84,7 +85,6 @@ def test_unknown_id_and_no_id(no_spawn):
 
 
 def test_real_mode_refuses_without_cuda(tmp_path, no_spawn):
-    import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     out = tmp_path / "run"

@@ -10,8 +10,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
+from click.testing import CliRunner
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from core.config import ConfigError, load_config, validate
+from core.models.llama3 import build_model
+from core.parallel.context import _cpu_flash_attention_rule
+from core.parallel.parallelize import Toggles
+from core.parallel.tensor import tp_styles
+from recipes.cli import main
 from recipes.studies import parity as P
 
 pytestmark = pytest.mark.parity
@@ -144,8 +153,6 @@ def test_bad_tp_cp_config_refused_before_spawn(overrides, key):
 
 
 def test_cli_refuses_bad_layout_name():
-    from click.testing import CliRunner
-    from recipes.cli import main
     result = CliRunner().invoke(main, ["parity", "--layouts", "fsdp2,fsdp3"])
     assert result.exit_code == 2 and "fsdp3" in result.output
 
@@ -168,17 +175,12 @@ def test_results_writer_merges_and_keeps_columns(tmp_path):
 
 # ------------------------------------------------------------------------ TP styles, CP shim
 def test_float8_tp_styles_need_converted_linears():
-    import torch
-    from torch.distributed.tensor.parallel import ColwiseParallel
-    from core.models.llama3 import build_model
-    from core.parallel.parallelize import Toggles
-    from core.parallel.tensor import tp_styles
-
     cfg = load_config(None, ["float8.enabled=true", "float8.recipe=tensorwise"])
     model = build_model("tiny", device="meta")
     toggles = Toggles()
     assert tp_styles(model, cfg, toggles)[0] is ColwiseParallel
     assert "float8_tp" in toggles.skipped
+    # torchao here only: its import prints kernel warnings every other test would show
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
@@ -193,10 +195,6 @@ def test_float8_tp_styles_need_converted_linears():
 
 
 def test_cpu_cp_shim_is_scoped_to_the_context():
-    import torch
-    import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
-    from core.parallel.context import _cpu_flash_attention_rule
-
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     assert op not in cp_attention.custom_ops
     with _cpu_flash_attention_rule():
