@@ -131,12 +131,12 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
     for token in hard:
         need = _sm(token)
         if need and caps and min(caps) < need:
-            have = "sm%d%d" % min(caps)
+            have = "sm{}{}".format(*min(caps))
             missing.append(f"compute capability {token} (Float8 matmuls): this node has {have}")
     for token in advisory:
         need = _sm(token)
         if need:
-            have = ("sm%d%d" % min(caps)) if caps else "no GPU"
+            have = "sm{}{}".format(*min(caps)) if caps else "no GPU"
             if not caps or min(caps) < need:
                 notes.append(f"AsyncTP wants {token} (symmetric memory); this node: {have}")
         elif token == "nvswitch":
@@ -209,8 +209,8 @@ def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, np
     exe, dims, rdzv, target = cmd[:1], cmd[1:3], cmd[3:6], cmd[6:]
     lines = [
         "#!/bin/bash",
-        f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
-        f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node.",
+        (f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
+        f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node."),
         f"#SBATCH --job-name={recipe.fname}",
         f"#SBATCH --nodes={nnodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -302,7 +302,7 @@ def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, echo: bool =
         return stream(cmd, env, log_path)
     with open(log_path, "wb") as f:
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+            return subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                   timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             return -1

@@ -23,7 +23,7 @@ from recipes import registry
 from recipes.schema import Recipe
 
 matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+import matplotlib.pyplot as plt  # after choosing the backend
 
 TABLE = "loss_convergence"
 # Smoothing: exponential moving average over ~SMOOTH_SPAN steps (pandas ewm, span); the check
@@ -149,7 +149,7 @@ def check(records: dict[str, dict], tolerance: float = TOLERANCE) -> list[dict]:
             out.append(res)
             continue
         steps = len(df)
-        window = max(1, int(round(steps * TRAILING_FRACTION)))
+        window = max(1, round(steps * TRAILING_FRACTION))
         a, b = sm[res["column"]], sm[column(base_id)]
         raw = (df[res["column"]] - df[column(base_id)]).abs()
         trail = (a - b).abs().iloc[-window:]
@@ -175,7 +175,7 @@ def spread(records: dict[str, dict]) -> dict[str, float]:
     name = column(control().id)
     if name not in df:
         return {}
-    window = max(1, int(round(len(df) * TRAILING_FRACTION)))
+    window = max(1, round(len(df) * TRAILING_FRACTION))
     raw, sm = df[name].iloc[-window:], smooth(df)[name].iloc[-window:]
     return {"window": window, "noise_std": float((raw - sm).std()) if window > 1 else float("nan"),
             "smoothed_drop": float(sm.iloc[0] - sm.iloc[-1])}
@@ -255,27 +255,27 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
     t = cfg.training
     v = base.get("versions") or {}
     lines += [
-        f"Each N-D curve is compared with the 1D control (`{control().id}`) directly. Checked "
+        (f"Each N-D curve is compared with the 1D control (`{control().id}`) directly. Checked "
         f"figure: mean |smoothed N-D − smoothed 1D| over the last {int(TRAILING_FRACTION * 100)}% of "
-        f"the steps (EMA span {SMOOTH_SPAN}); **tolerance {TOLERANCE:g} nats**.",
+        f"the steps (EMA span {SMOOTH_SPAN}); **tolerance {TOLERANCE:g} nats**."),
         "",
-        f"Runs: {cfg.model['flavor']}, seq {t['seq_len']}, FSDP "
+        (f"Runs: {cfg.model['flavor']}, seq {t['seq_len']}, FSDP "
         f"{cfg.parallelism['dp_shard']} x local batch {t['local_batch_size']} in every "
         f"layout (the same global batch and token order), {t['mixed_precision_param']} params + "
         f"{t['mixed_precision_reduce']} reduce, {len(base['losses'])} steps, warmup "
         f"{cfg.lr_scheduler['warmup_steps']}, lr {cfg.optimizer['lr']}. "
         f"Hardware: {(base.get('hardware') or {}).get('device', '?')}; torch {v.get('torch', '?')}, "
-        f"torchao {v.get('torchao', '?')}, git {v.get('git', '?') or '?'}.",
+        f"torchao {v.get('torchao', '?')}, git {v.get('git', '?') or '?'}."),
         "",
     ]
     if sp:
-        lines += [f"Why {TOLERANCE:g}: over the same window the control's raw loss scatters around its "
+        lines += [(f"Why {TOLERANCE:g}: over the same window the control's raw loss scatters around its "
                   f"smoothed curve with std {sp['noise_std']:.3f} nats (batch-to-batch noise), and "
                   f"the smoothed curve still falls {sp['smoothed_drop']:.3f} nats. Bf16 rounding and "
                   "Float8 (e4m3, 3 mantissa bits) make the N-D trajectories drift apart step by step "
                   "(see the raw columns); a layout bug (a wrong gradient reduction, a missing "
                   "microbatch, an unmasked CP shard) shows as a persistent offset of that order or "
-                  "larger, which the smoothed comparison exposes.", ""]
+                  "larger, which the smoothed comparison exposes."), ""]
     table = [{"layout (proxy)": record_label(base, column(control().id)),
               "recipe": control().id,
               "status": "control"}]
@@ -298,10 +298,10 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
         row["train loop s"] = _fmt((walls or {}).get(row["recipe"]), ".0f")
     lines.append(pd.DataFrame(table).fillna("").to_markdown(index=False, disable_numparse=True))
     passed = [r for r in results if r.get("passed")]
-    lines += ["", f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
+    lines += ["", (f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
               "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
               "[loss_convergence.csv](loss_convergence.csv), golden: "
-              "[golden/loss_convergence.json](golden/loss_convergence.json).", ""]
+              "[golden/loss_convergence.json](golden/loss_convergence.json)."), ""]
     return "\n".join(lines)
 
 

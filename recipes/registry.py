@@ -16,10 +16,11 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
-import tomllib
 from importlib import resources
 
-from recipes.schema import (REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError, deep_merge)
+import tomllib
+
+from recipes.schema import REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError, deep_merge
 
 PACKAGES = ("llama3_8b", "llama3_70b", "llama3_405b", "long_context")
 DEFAULTS = "defaults.toml"

@@ -35,7 +35,8 @@ def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float 
     """torchrun --standalone -m core.train; returns result.json. Raises with the log on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(nproc, launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides]))
-    proc = subprocess.run(cmd, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True,
+                          timeout=timeout)
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

@@ -7,7 +7,6 @@ import copy
 import json
 import math
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest

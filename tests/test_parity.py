@@ -167,7 +167,7 @@ def test_results_writer_merges_and_keeps_columns(tmp_path):
     P.write_results([P.failed_row(P.BY_NAME["tp2"], "fp32", "boom")], tmp_path)
     lines = (tmp_path / "loss_parity.csv").read_text().splitlines()
     assert lines[0] == "layout,world_size,dtype,steps,max_abs_diff,tolerance,passed"
-    assert len(lines) == 4 and any(l.startswith("tp2,2,fp32,0,nan") and l.endswith("False") for l in lines)
+    assert len(lines) == 4 and any(ln.startswith("tp2,2,fp32,0,nan") and ln.endswith("False") for ln in lines)
     assert "run failed" in (tmp_path / "loss_parity.md").read_text()
     golden = json.loads((tmp_path / "golden" / "loss_parity_fp32.json").read_text())
     assert golden["layouts"]["fsdp2"]["losses"] == [1.0] * 10 and "torch" in golden["versions"]

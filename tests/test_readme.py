@@ -45,7 +45,7 @@ def test_update_readme_rewrites_only_between_markers(tmp_path):
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S)
+    return re.findall(r"```bash\n(.*?)```", TEXT, flags=re.DOTALL)
 
 
 def test_readme_multinode_command_is_what_run_recipe_prints(tmp_path):

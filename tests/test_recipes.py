@@ -105,17 +105,17 @@ def test_requirements_follow_the_config(rid):
 
 # figures transcribed from shared/reference/paper_tables.md
 REFERENCE = {
-    "llama3_8b/table1/8gpu_fsdp": dict(paper_tps_per_gpu=6258, paper_mem_gib=81.9, paper_mem_approx=True,
-                                       bench_tps_per_gpu=5762, bench_mem_gib=82.4),
-    "llama3_8b/table1/128gpu_fsdp_compile_float8": dict(paper_tps_per_gpu=9319, paper_mem_gib=61.8,
-                                                        paper_mem_approx=True, bench_tps_per_gpu=8380,
-                                                        bench_mem_gib=61.8),
-    "llama3_70b/table2/256gpu_fsdp_tp_compile_float8_asynctp": dict(
-        paper_tps_per_gpu=1010, paper_mem_gib=67.7, bench_tps_per_gpu=876, bench_mem_gib=67.6),
-    "llama3_405b/table3/512gpu_3d_interleaved_1f1b": dict(
-        paper_tps_per_gpu=130, paper_mem_gib=80.3, bench_tps_per_gpu=128, bench_mem_gib=72.7),
-    "long_context/table4/8b_fsdp1_cp8_256k": dict(paper_tps_per_gpu=548, paper_mem_gib=84.5),
-    "long_context/table5/405b_fsdp8_cp1_32k": dict(paper_tps_per_gpu=76, paper_mem_gib=75.3),
+    "llama3_8b/table1/8gpu_fsdp": {"paper_tps_per_gpu": 6258, "paper_mem_gib": 81.9, "paper_mem_approx": True,
+                                       "bench_tps_per_gpu": 5762, "bench_mem_gib": 82.4},
+    "llama3_8b/table1/128gpu_fsdp_compile_float8": {"paper_tps_per_gpu": 9319, "paper_mem_gib": 61.8,
+                                                        "paper_mem_approx": True, "bench_tps_per_gpu": 8380,
+                                                        "bench_mem_gib": 61.8},
+    "llama3_70b/table2/256gpu_fsdp_tp_compile_float8_asynctp": {
+        "paper_tps_per_gpu": 1010, "paper_mem_gib": 67.7, "bench_tps_per_gpu": 876, "bench_mem_gib": 67.6},
+    "llama3_405b/table3/512gpu_3d_interleaved_1f1b": {
+        "paper_tps_per_gpu": 130, "paper_mem_gib": 80.3, "bench_tps_per_gpu": 128, "bench_mem_gib": 72.7},
+    "long_context/table4/8b_fsdp1_cp8_256k": {"paper_tps_per_gpu": 548, "paper_mem_gib": 84.5},
+    "long_context/table5/405b_fsdp8_cp1_32k": {"paper_tps_per_gpu": 76, "paper_mem_gib": 75.3},
     "llama3_8b/loss_convergence/1d_fsdp8": {},
 }
 

@@ -19,8 +19,8 @@ from core.reference import reference_run
 from core.train import Trainer
 from recipes import launcher
 from recipes.results import read_csv, write_csv
-from recipes.studies.common import one_rank_group, synthetic_job
 from recipes.studies import checkpoint_bench, toggles_bench
+from recipes.studies.common import one_rank_group, synthetic_job
 
 COLUMNS = ["benchmark", "value", "unit", "notes"]
 
@@ -78,7 +78,7 @@ def write_rows(rows: list[dict], path: Path | None = None) -> None:
 def bench(quick: bool) -> None:
     """Measure trainer overhead, proxy MFU and FSDP2 memory per rank; rewrite results/benchmarks.csv."""
     rows = []
-    shape = dict(flavor="debug", steps=3, rounds=1) if quick else {}
+    shape = {"flavor": "debug", "steps": 3, "rounds": 1} if quick else {}
     click.echo("[bench] trainer vs bare PyTorch loop (world 1, same process) ...")
     r = trainer_vs_bare_loop(**shape)
     rows.append({"benchmark": "trainer_vs_bare_loop", "value": f"{r['ratio']:.3f}", "unit": "ratio",

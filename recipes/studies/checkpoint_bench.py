@@ -48,7 +48,10 @@ def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps:
     saves = [s for s in stats[1:] if s["step"] != steps]
     if not saves:
         raise ValueError(f"steps {steps} with interval {interval}: no in-loop save after the first")
-    med = lambda key: statistics.median(s[key] for s in saves)  # noqa: E731 (shared CPUs: medians)
+
+    def med(key: str) -> float:  # shared CPUs: medians
+        return statistics.median(s[key] for s in saves)
+
     return {"mode": "sync" if mode == "disabled" else mode,
             "blocking_s": med("blocking_s"), "total_s": med("total_s"), "wait_s": med("wait_s"),
             "saves": len(saves), "first_blocking_s": stats[0]["blocking_s"]}
@@ -75,7 +78,7 @@ def run_checkpoint_bench(out_csv: str | os.PathLike | None = None,
 
 def benchmark_rows(quick: bool = False) -> list[dict]:
     """Checkpoint overhead: sync vs async DCP save (results/checkpoint_overhead.csv)"""
-    shape = dict(flavor="tiny", steps=5, interval=1) if quick else dict(flavor="debug", steps=26, interval=5)
+    shape = {"flavor": "tiny", "steps": 5, "interval": 1} if quick else {"flavor": "debug", "steps": 26, "interval": 5}
     rows = run_checkpoint_bench(default_csv(), **shape)
     sync = rows[0]
     out = []

@@ -19,7 +19,6 @@ Step times come from real Trainers (world 1) built side by side and stepped roun
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import click
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -177,11 +175,12 @@ def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> d
     with tempfile.TemporaryDirectory() as tmp:
         for key, mode, cache in (("block_cold", "block", "block"), ("whole_cold", "whole", "whole"),
                                  ("block_warm", "block", "block")):
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", PYTHONPATH=str(launcher.project_root()),
-                       TORCHINDUCTOR_COMPILE_THREADS="1")
+            env = launcher.launch_env("proxy", 1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}",
+                                      TORCHINDUCTOR_COMPILE_THREADS="1")
             cmd = [sys.executable, "-m", PROBE_MODULE, "--probe", mode, "--flavor", flavor,
                    "--seq-len", str(seq_len), "--batch", str(batch)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=launcher.project_root(),
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env,
+                                  cwd=launcher.project_root(),
                                   timeout=1800)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
             if proc.returncode or not lines:
@@ -235,7 +234,7 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
 # ----------------------------------------------------------------------------------- writing
 def measure(quick: bool = False) -> dict:
     if quick:
-        shape = dict(flavor="tiny4", seq_len=64, batch=4)
+        shape = {"flavor": "tiny4", "seq_len": 64, "batch": 4}
         return {"ac": ac_table(steps=3, **shape), "compile": compile_speedup(steps=4, **shape),
                 "cold": cold_compile(**shape), "float8": float8_deviation(steps=4, **shape),
                 "float8_fsdp": float8_fsdp(steps=4), "quick": True}
@@ -260,7 +259,8 @@ def csv_rows(m: dict) -> list[dict]:
     for key in ("block_cold", "whole_cold", "block_warm"):
         add("compile", key, "first_step_compile", k[key]["compile_s"], "s",
             k[key]["compile_s"] / k["block_cold"]["compile_s"], "/ block_cold",
-            f"CPU time {k[key]['compile_cpu_s']:.1f} s (x{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}); "
+            f"CPU time {k[key]['compile_cpu_s']:.1f} s "
+            f"(x{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}); "
             f"first step {k[key]['first_step_s']:.2f} s, steady {k[key]['steady_step_s']:.3f} s")
     for r in m["float8"]:
         add("float8", r["recipe"], "max_loss_diff_vs_bf16", r["max_loss_diff"], "loss", r["time_ratio"],
@@ -279,9 +279,9 @@ def markdown(m: dict) -> str:
              "one after the other in the same invocation on this (shared, 2-core) CPU."
              + (" QUICK smoke shapes: not the reported figures." if m["quick"] else ""), "",
              "## Activation checkpointing", "",
-             "Peak memory of one training step by torch's MemTracker (activations = tensors saved for backward "
+             ("Peak memory of one training step by torch's MemTracker (activations = tensors saved for backward "
              "and live intermediates); step time: median over steps, the four trainers (world 1) stepping "
-             "round-robin so they share the machine's load.", ""]
+             "round-robin so they share the machine's load."), ""]
     lines.append(tabulate([[r["mode"], f"{r['act_mib']:.1f}", f"{r['act_ratio']:.2f}", f"{r['total_mib']:.1f}",
                             f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}", f"{r['max_loss_diff']:.1e}"]
                            for r in m["ac"]],
@@ -289,33 +289,34 @@ def markdown(m: dict) -> str:
                                    "max loss diff"], tablefmt="github"))
     c, k = m["compile"], m["cold"]
     lines += ["", "## Regional compile", "",
-              f"Step time ({c['shape']}; two trainers at world 1 stepping alternately, median after 2 warm-up "
+              (f"Step time ({c['shape']}; two trainers at world 1 stepping alternately, median after 2 warm-up "
               f"steps): eager {c['eager_step_s']:.4f} s, "
               f"per-block compiled {c['compile_step_s']:.4f} s: **speedup {c['speedup']:.2f}x** (goal >= 1.2x); "
-              f"max loss diff {c['max_loss_diff']:.1e}.", "",
-              f"Cold compile (first step minus a steady step; each in a fresh process, block_cold and whole_cold "
+              f"max loss diff {c['max_loss_diff']:.1e}."), "",
+              (f"Cold compile (first step minus a steady step; each in a fresh process, block_cold and whole_cold "
               f"on an empty inductor cache, block_warm on the cache block_cold filled; {k['n_layers']} blocks; CPU "
-              f"time counts this process and gcc, so the machine's load hardly moves it):", ""]
-    lines.append(tabulate([[key, f"{k[key]['compile_s']:.1f}", f"{k[key]['compile_s'] / k['block_cold']['compile_s']:.2f}",
+              f"time counts this process and gcc, so the machine's load hardly moves it):"), ""]
+    lines.append(tabulate([[key, f"{k[key]['compile_s']:.1f}",
+                            f"{k[key]['compile_s'] / k['block_cold']['compile_s']:.2f}",
                             f"{k[key]['compile_cpu_s']:.1f}",
                             f"{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}",
                             f"{k[key]['steady_step_s']:.3f}"] for key in ("block_cold", "whole_cold", "block_warm")],
                           headers=["compile", "wall s", "x block cold", "CPU s", "x block cold", "steady step s"],
                           tablefmt="github"))
     lines += ["", "## Float8 (torchao) vs bf16", "",
-              "World 1, bf16 autocast, trainers stepping round-robin; max |loss - bf16 loss| over every step; "
+              ("World 1, bf16 autocast, trainers stepping round-robin; max |loss - bf16 loss| over every step; "
               "float8 matmuls run through `torch._scaled_mm` on CPU (numerics, not speed: no fast float8 GEMM on "
               "a CPU, hence the tiny shape); `tensorwise_emulated` is torchao's emulation (fp32 matmul of the "
-              "float8-quantized operands), which the CPU proxy rows use.", ""]
+              "float8-quantized operands), which the CPU proxy rows use."), ""]
     lines.append(tabulate([[r["recipe"], f"{r['max_loss_diff']:.2e}", f"{r['final_loss']:.4f}",
                             f"{r['bf16_final_loss']:.4f}", f"{r['time_ratio']:.2f}"] for r in m["float8"]],
                           headers=["recipe", "max abs loss diff", "final loss", "bf16 final loss", "step time x bf16"],
                           tablefmt="github"))
     f = m["float8_fsdp"]
-    lines += ["", f"FSDP2 + float8 all-gather + precomputed scales ({f['shape']}): max |loss - bf16 reference| "
+    lines += ["", (f"FSDP2 + float8 all-gather + precomputed scales ({f['shape']}): max |loss - bf16 reference| "
               f"{f['float8']['max_loss_diff']:.2e}; against FSDP2 bf16 without float8 (the float8 effect alone) "
               f"{f['float8_vs_fsdp_bf16']:.2e}; FSDP2 bf16 vs the reference {f['bf16']['max_loss_diff']:.2e}; "
-              f"step time x{f['float8']['step_s'] / f['bf16']['step_s']:.2f} of FSDP2 bf16."]
+              f"step time x{f['float8']['step_s'] / f['bf16']['step_s']:.2f} of FSDP2 bf16.")]
     return "\n".join(lines) + "\n"
 
 
@@ -336,12 +337,14 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
     worst = max(m["float8"], key=lambda r: r["max_loss_diff"])
     return [
         {"benchmark": "toggles_ac_full_activation_ratio", "value": f"{ac['ac:full']['act_ratio']:.3f}",
-         "unit": "ratio", "notes": f"peak activations full AC / no AC (goal < 0.5); step time x{ac['ac:full']['time_ratio']:.2f}"},
+         "unit": "ratio",
+         "notes": f"peak activations full AC / no AC (goal < 0.5); step time x{ac['ac:full']['time_ratio']:.2f}"},
         {"benchmark": "toggles_compile_speedup", "value": f"{c['speedup']:.3f}", "unit": "ratio",
          "notes": f"eager / per-block compiled steady step, {c['shape']}; goal >= 1.2"},
         {"benchmark": "toggles_cold_compile_whole_over_block", "value": f"{k['whole_over_block_cpu']:.3f}",
          "unit": "ratio", "notes": f"cold compile CPU time whole model {k['whole_cold']['compile_cpu_s']:.1f} s / "
-                                   f"per block {k['block_cold']['compile_cpu_s']:.1f} s (wall {k['whole_over_block']:.2f}x); "
+                                   f"per block {k['block_cold']['compile_cpu_s']:.1f} s "
+                                   f"(wall {k['whole_over_block']:.2f}x); "
                                    f"per block on the warm cache {k['block_warm']['compile_s']:.1f} s wall"},
         {"benchmark": "toggles_float8_max_loss_diff", "value": f"{worst['max_loss_diff']:.3e}", "unit": "loss",
          "notes": f"worst recipe ({worst['recipe']}) vs bf16 over the steps; goal < 5e-3"},
