@@ -67,8 +67,19 @@ def test_readme_sbatch_script_is_what_slurm_writes(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     script = (out / "sbatch.sh").read_text()
     root = str(launcher.project_root())
-    generic = (script.replace(str(out.resolve()), "<run dir>").replace(root, "<checkout>"))
+    generic = (script.replace(str(out.resolve()), "<run dir>").replace(root, "<checkout>")
+               .replace(launcher.torchrun_exe(), "<checkout>/.venv/bin/torchrun"))  # a venv outside the checkout
     # the records dir defaults to none with --out; the README shows the default (results/records)
     shown = next(b for b in _blocks() if b.startswith("#!/bin/bash"))
     assert shown.startswith(generic), f"README's sbatch script differs from:\n{generic}"
     assert shown[len(generic):].splitlines()[-1].startswith("cp <run dir>/result.json <checkout>/results/records/real/")
+
+
+def test_every_command_the_readme_names_exists():
+    named = set(re.findall(r"(?:^|[\s`/])run-recipe ([a-z][a-z-]*)", TEXT, flags=re.MULTILINE))
+    assert {"list", "show", "run", "results", "parity", "bench", "plan", "convergence"} <= named
+    commands = set(main.list_commands(None))
+    assert named <= commands, f"README names commands run-recipe lacks: {named - commands}"
+    for name in named:  # each imports and has its help
+        res = CliRunner().invoke(main, [name, "--help"], catch_exceptions=False)
+        assert res.exit_code == 0 and "Usage: " in res.output, name
