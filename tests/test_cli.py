@@ -155,6 +155,18 @@ def test_launch_command_and_env(monkeypatch):
     assert "OMP_NUM_THREADS" not in launcher.launch_env("proxy", 1)
 
 
+def test_one_torchrun_command_builder():
+    local = launcher.torchrun_command(2, ["script.py", "plan.json"], max_restarts=1)
+    assert local == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                     "--nproc_per_node=2", "--max-restarts=1", "script.py", "plan.json"]
+    multi = launcher.torchrun_command(8, launcher.trainer_target("j.json"), nnodes=4, rdzv_id="x",
+                                      rdzv_endpoint="h:1", exe="torchrun")
+    assert multi == ["torchrun", "--nnodes=4", "--nproc_per_node=8", "--rdzv_id=x", "--rdzv_backend=c10d",
+                     "--rdzv_endpoint=h:1", "-m", "core.train", "--config", "j.json"]
+    assert launcher.launch_env("proxy", 1, OMP_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
+    assert launcher.results_root() == launcher.project_root() / "results"
+
+
 def _record(rid, tps, losses, mode="proxy"):
     return {"recipe": rid, "mode": mode, "hardware": {"device": "test-cpu"}, "world_size": 2,
             "tokens_per_sec_per_device": tps, "mfu": 0.1, "peak_memory_gib": 0.5,
