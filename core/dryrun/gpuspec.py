@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tomllib
 from importlib import resources
+
+import tomllib
 
 DEFAULT_GPU = "h100_96gb_hbm2e_500w"
 

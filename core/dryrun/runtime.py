@@ -124,7 +124,10 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
     attn_f = fl["attention"] / r.attn_f
     attn_b = FLASH_BWD_OVER_FWD * fl["attention"] / r.attn_b
     pw_f = _pointwise_bytes(s, compiled, f8) / r.hbm
-    pw_b = (2 * _pointwise_bytes(s, compiled, False) + (_float8_bwd_bytes(s, compiled) if f8 else 0)) / r.hbm
+    # Backward moves about twice the forward's bytes (gradient in, saved input, gradient out);
+    # compiled, the min-cut partitioner also reruns the fused forward kernels it did not save.
+    pw_b = ((3 if compiled else 2) * _pointwise_bytes(s, compiled, False)
+            + (_float8_bwd_bytes(s, compiled) if f8 else 0)) / r.hbm
     T, d = s.tokens, s.d
     # CP ring attention: all-gather of k and v (bf16) in forward; in backward again, plus the
     # reduce-scatter of their fp32 gradients; fp32 merges of the partial outputs per step.
@@ -219,15 +222,16 @@ class _Acc:
 
 
 def _fsdp_stream(events: list[tuple[float, float, float]]) -> float:
-    """Compute events with the FSDP stream beside them: event k needs its all-gather a_k (issued
-    when event k-1 starts: one block of prefetch) and issues its reduce-scatter r_k when it ends;
-    the stream runs its collectives in issue order. Returns the time the last one finishes."""
-    comm_free = start_prev = end_prev = 0.0
-    for c, a, r in events:
-        ag_end = max(comm_free, start_prev) + a
-        comm_free = ag_end
+    """Compute events with the FSDP stream beside them: event k needs its all-gather a_k, issued
+    when event k-1 starts (one block of prefetch), and issues its reduce-scatter r_k when it
+    ends; the stream runs its collectives in issue order. Returns when the last one finishes."""
+    comm_free = end_prev = 0.0
+    ag_end = comm_free = events[0][1] if events else 0.0
+    for k, (c, _, r) in enumerate(events):
         start = max(end_prev, ag_end)
-        end_prev, start_prev = start + c, start
+        if k + 1 < len(events):  # the next all-gather is issued now, before this event's reduce-scatter
+            ag_end = comm_free = max(comm_free, start) + events[k + 1][1]
+        end_prev = start + c
         if r:
             comm_free = max(comm_free, end_prev) + r
     return max(end_prev, comm_free)
@@ -386,7 +390,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
             return c["B"] if kind == "B" else c["B"] / 2  # I and W: half a backward each
 
         hop = links["pp"].p2p(s.tokens * s.sp * s.d * 2)
-        free1, busy1 = _run_schedule(table, n_stages, cost, hop)
+        free1, _ = _run_schedule(table, n_stages, cost, hop)
         free0, _ = _run_schedule(table, n_stages, cost, 0.0)
         tails = [sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank)
                  for rank in placement]
