@@ -55,16 +55,17 @@ def block_flops(s: M.Shapes, seq_len: int) -> dict:
 
 def analytic_flops(cfg) -> dict:
     """Matmul + attention FLOPs of one training step on one rank without PP and without AC, as
-    torch.utils.flop_counter counts them (dense SDPA, backward = 2 x forward): the check against
-    the fake step's count."""
+    torch.utils.flop_counter counts them (dense SDPA; matmul backward 2 x forward, SDPA backward
+    2.5 x: it recomputes the scores): the check against the fake step's count."""
     s = M.shapes(cfg)
     a = M._args(cfg)
     L, seq = a.n_layers, cfg.training.seq_len
     blk = block_flops(s, seq)
     head = 2 * s.tokens * s.d * (a.vocab_size // s.tp)
-    per_mb = L * (blk["matmul"] + blk["attention_dense"]) + head
-    return {"total": 3 * per_mb * M.microbatches(cfg) * max(1, cfg.training.grad_accum_steps),
-            "matmul": 3 * (L * blk["matmul"] + head), "attention": 3 * L * blk["attention_dense"]}
+    n = M.microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
+    mm = 3 * (L * blk["matmul"] + head) * n
+    attn = (1 + FLASH_BWD_OVER_FWD) * L * blk["attention_dense"] * n
+    return {"total": mm + attn, "matmul": mm, "attention": attn}
 
 
 def _pointwise_bytes(s: M.Shapes, compiled: bool, float8: bool) -> float:
