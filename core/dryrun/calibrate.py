@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ROWS = {"clock_fraction": "llama3_8b/table1/8gpu_fsdp",
+ROWS = {"clock_fraction": "llama3_8b/table1/8gpu_fsdp_compile",
         "flash_attention_bwd": "long_context/table4/8b_fsdp8_cp1_32k"}
 
 

@@ -137,8 +137,11 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
         kv_all = 2 * T * s.kv * s.cp
         cp_f = links["cp"].ring(2 * kv_all)
         cp_b = links["cp"].ring(2 * kv_all) + links["cp"].ring(4 * kv_all)
-        pw_f += s.cp * 12 * T * s.q / r.hbm
-        pw_b += s.cp * 8 * T * (s.q + 2 * s.kv) / r.hbm
+        # torch's ring attention (_context_parallel/_attention.py) merges each step's partial
+        # output eagerly in fp32: convert (6 bytes per output element), out - block_out (10),
+        # x sigmoid (8), out - (12); backward accumulates dq (12) and the rotating dk, dv (20 each).
+        pw_f += (s.cp - 1) * 36 * T * s.q / r.hbm
+        pw_b += (s.cp - 1) * (12 * T * s.q + 40 * T * s.kv) / r.hbm
     # TP/SP: all-gather before attention and FFN (fp8 with float8 TP styles), reduce-scatter after
     # wo and w2; backward the reverse on bf16 gradients.
     tp_f = tp_b = 0.0
