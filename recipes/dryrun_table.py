@@ -1,12 +1,17 @@
 """results/dry_run.csv and results/dry_run.md from the dry-run records."""
 from __future__ import annotations
 
+import itertools
+
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 
 CSV_COLUMNS = ("recipe", "world_size", "estimated_peak_gib", "paper_gib", "bench_gib", "error_pct",
                "predicted_tps_per_gpu", "paper_tps_per_gpu", "tps_error_pct")
 GOAL_PCT, GOAL_SHARE = 10.0, 0.8
 TPS_GOAL_PCT, TPS_GOAL_ROWS = 15.0, 15  # predicted TPS/GPU within 15% for >= 15 of the 18 rows
+EFFECT_GOAL_PP = 10.0  # every published effect: right sign, within 10 percentage points
+T4 = ["long_context/table4/8b_fsdp8_cp1_32k", "long_context/table4/8b_fsdp4_cp2_64k",
+      "long_context/table4/8b_fsdp2_cp4_128k", "long_context/table4/8b_fsdp1_cp8_256k"]
 
 
 def dry_run_rows(records: list[dict], references: dict[str, dict] | None = None) -> list[dict]:
@@ -125,6 +130,42 @@ def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def published_effects(predicted: dict[str, float], paper: dict[str, float]) -> list[dict]:
+    """The paper's published effects, paper vs predicted: compile and Float8 over FSDP (Table 1 at
+    8 and 128 GPUs, gains in %, as the paper states them), AsyncTP (Table 2), Interleaved 1F1B over
+    1F1B (Table 3), and the TPS ratio (x 100) of each CP doubling (Tables 4 and 5). `met`: the same
+    sign (gain > 0, ratio > 100) and within EFFECT_GOAL_PP."""
+    def pair(new, old, ratio=False):
+        if not all(k in d for d in (predicted, paper) for k in (new, old)):
+            return None
+        f = (lambda t: t[new] / t[old] * 100) if ratio else (lambda t: (t[new] / t[old] - 1) * 100)
+        return f(paper), f(predicted)
+
+    specs = []
+    for g in (8, 128):
+        t1 = f"llama3_8b/table1/{g}gpu_fsdp"
+        specs += [(f"compile, Table 1 at {g} GPUs (gain %)", t1 + "_compile", t1, False),
+                  (f"Float8, Table 1 at {g} GPUs (gain % over FSDP)", t1 + "_compile_float8", t1, False)]
+    t2 = "llama3_70b/table2/256gpu_fsdp_tp_compile_float8"
+    specs.append(("AsyncTP, Table 2 (gain %)", t2 + "_asynctp", t2, False))
+    t3 = "llama3_405b/table3/512gpu_3d_"
+    specs.append(("Interleaved 1F1B over 1F1B, Table 3 (gain %)", t3 + "interleaved_1f1b", t3 + "1f1b", False))
+    for name, rows in (("Table 4", T4), ("Table 5", [r.replace("table4/8b", "table5/405b") for r in T4])):
+        for a, b in itertools.pairwise(rows):
+            cp = b.split("_cp")[1].split("_")[0]
+            specs.append((f"{name} CP doubling to {cp} (TPS ratio x 100)", b, a, True))
+    out = []
+    for name, new, old, ratio in specs:
+        got = pair(new, old, ratio)
+        if got is None:
+            continue
+        pap, ours = got
+        same_sign = (pap > 100) == (ours > 100) if ratio else (pap > 0) == (ours > 0)
+        out.append({"effect": name, "paper": round(pap, 1), "predicted": round(ours, 1),
+                    "met": same_sign and abs(ours - pap) <= EFFECT_GOAL_PP})
+    return out
+
+
 def _throughput_section(rows: list[dict], by_id: dict[str, dict]) -> list[str]:
     """Predicted vs paper TPS/GPU per row, the goal count and where each row's step goes."""
     from tabulate import tabulate
@@ -153,6 +194,14 @@ def _throughput_section(rows: list[dict], by_id: dict[str, dict]) -> list[str]:
     out.append(tabulate(table, headers=["recipe", "predicted TPS/GPU", "paper TPS/GPU", "error", "MFU", "step s",
                                         "compute s", "memory-bound s", "recompute s", "bubble s",
                                         "exposed comm s (mesh dim)"], tablefmt="github"))
+    eff = published_effects({r["recipe"]: r["predicted_tps_per_gpu"] for r in rows if r["predicted_tps_per_gpu"]},
+                            {r["recipe"]: r["paper_tps_per_gpu"] for r in rows if r["paper_tps_per_gpu"]})
+    if eff:
+        n_met = sum(e["met"] for e in eff)
+        out += ["", (f"**Goal: every published effect with the right sign and within {EFFECT_GOAL_PP:.0f} "
+                    f"percentage points of the paper. Result: {n_met} of {len(eff)}.**"), ""]
+        out.append(tabulate([[e["effect"], e["paper"], e["predicted"], "met" if e["met"] else "missed"] for e in eff],
+                            headers=["effect", "paper", "predicted", "goal"], tablefmt="github"))
     return out
 
 
