@@ -237,7 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(launcher.project_root() / "results"))
     ap.add_argument("--all", action="store_true", help="run every row's dry-run first (minutes)")
     ap.add_argument("--no-fake", action="store_true", help="with --all: accounting only")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="refit the paper spec's two calibrated constants on their named rows and print them")
     a = ap.parse_args(argv)
+    if a.calibrate:
+        from core.dryrun import calibrate
+        rows = {k: (launcher.resolve_config(registry.get(rid), "dry-run"),
+                    registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
+        print({**calibrate.fit(rows), "rows": calibrate.ROWS})
+        return 0
     if a.all:
         dest = Path(a.records, "dry-run")
         dest.mkdir(parents=True, exist_ok=True)

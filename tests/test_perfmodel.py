@@ -272,3 +272,19 @@ MET_EFFECTS = (
     "Table 5 CP doubling to 4 (TPS ratio x 100)",
     "Table 5 CP doubling to 8 (TPS ratio x 100)",
 )
+
+
+def test_calibrated_constants_are_what_the_named_rows_give():
+    """The paper spec's two calibrated constants are reproducible from their named rows; the rows
+    are named in the prediction's calibration note; the other specs calibrate nothing."""
+    from core.dryrun import calibrate
+    rows = {k: (cfg_of(rid), registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
+    fitted = calibrate.fit(rows)
+    stored = G.load_spec(PAPER)
+    assert len(calibrate.ROWS) <= 2 and len(set(calibrate.ROWS.values())) <= 2
+    for key, value in fitted.items():
+        assert getattr(stored, key) == pytest.approx(value, abs=0.002), key
+    note = predict(cfg_of(ROWS[0]), PAPER, memory=NO_MEM)["calibration"]
+    assert all(rid in note for rid in calibrate.ROWS.values())
+    for name in ("h100_sxm_80gb", "h200_141gb"):
+        assert G.load_spec(name).clock_fraction == 1.0 and not G.load_spec(name).calibration

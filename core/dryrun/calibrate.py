@@ -1,4 +1,5 @@
-"""The two calibrated constants of the paper's GPU spec, refitted: `python -m core.dryrun.calibrate`.
+"""The two calibrated constants of the paper's GPU spec, refitted: `python -m recipes.dryrun_table
+--calibrate` (which hands this module the two rows: core never imports the recipes).
 
 Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited benchmark.
 Two are not published for the paper's system, so each is fitted on one named row and nothing
@@ -27,24 +28,17 @@ def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
     return (lo + hi) / 2
 
 
-def fit(spec_name: str = "h100_96gb_hbm2e_500w", rounds: int = 4) -> dict:
-    """Alternate the two one-dimensional fits until they settle; returns the constants and the
-    rows' paper figures."""
+def fit(rows: dict[str, tuple[object, float]], spec_name: str = "h100_96gb_hbm2e_500w", rounds: int = 4) -> dict:
+    """rows: for each key of ROWS, (the row's validated config, the paper's TPS/GPU). Alternates
+    the two one-dimensional fits until they settle; returns the constants, rounded as stored."""
     from core.dryrun.gpuspec import load_spec
     from core.dryrun.runtime import predict
-    from recipes import launcher, registry
     spec = load_spec(spec_name)
-    cfgs = {k: launcher.resolve_config(registry.get(rid), "dry-run") for k, rid in ROWS.items()}
-    paper = {k: registry.get(rid).reference["paper_tps_per_gpu"] for k, rid in ROWS.items()}
     mem = {"allocated_peak_gib": 0.0}  # memory is not what is fitted
     for _ in range(rounds):
-        for key in ROWS:
-            def err(x, key=key, base=spec):
+        for key, (cfg, paper) in rows.items():
+            def err(x, key=key, cfg=cfg, paper=paper, base=spec):
                 s = dataclasses.replace(base, **{key: x})
-                return predict(cfgs[key], s, memory=mem)["tokens_per_sec_per_gpu"] - paper[key]
+                return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - paper
             spec = dataclasses.replace(spec, **{key: _bisect(err, 0.05, 1.0)})
-    return {k: round(getattr(spec, k), 3) for k in ROWS} | {"rows": ROWS, "paper_tps": paper}
-
-
-if __name__ == "__main__":
-    print(fit())
+    return {k: round(getattr(spec, k), 3) for k in rows}
