@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(launcher.project_root() / "results"))
     ap.add_argument("--all", action="store_true", help="run every row's dry-run first (minutes)")
     ap.add_argument("--no-fake", action="store_true", help="with --all: accounting only")
+    ap.add_argument("--predict", action="store_true",
+                    help="add (or refresh) the performance model's `predicted` in the existing records first "
+                         "(seconds; no fake step)")
+    ap.add_argument("--gpu", default=None, help="GPU spec for --all / --predict (default: the paper's)")
     ap.add_argument("--calibrate", action="store_true",
                     help="refit the paper spec's two calibrated constants on their named rows and print them")
     a = ap.parse_args(argv)
@@ -251,10 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         dest.mkdir(parents=True, exist_ok=True)
         for r in registry.all_recipes():
             cfg = launcher.resolve_config(r, "dry-run")
-            rec = dry_run(cfg, fake=not a.no_fake)
+            rec = dry_run(cfg, fake=not a.no_fake, **({"gpu": a.gpu} if a.gpu else {}))
             (dest / f"{r.fname}.json").write_text(json.dumps(rec, indent=2, default=str) + "\n")
             print(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, "
                   f"{rec['dry_run_s']} s", flush=True)
+    if a.predict:
+        from core.dryrun.record import predicted_record
+        for path in sorted(Path(a.records, "dry-run").glob("*.json")):
+            rec = json.loads(path.read_text())
+            if rec.get("recipe") not in {r.id for r in registry.all_recipes()}:
+                continue
+            # The record's own resolved config when it has one, else the row's.
+            cfg = launcher.resolve_config(registry.get(rec["recipe"]), "dry-run")
+            if rec.get("config"):
+                from core.config import JobConfig, apply_dict
+                cfg = apply_dict(JobConfig(), rec["config"], str(path))
+            rec["predicted"] = predicted_record(cfg, a.gpu) if a.gpu else predicted_record(cfg)
+            path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
     records = records_from_dir(a.records)
     if not records:
         print(f"no dry-run records under {a.records}/dry-run: run `run-recipe run --table <t> --mode dry-run`")
