@@ -14,7 +14,7 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
 - communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
   on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
   reduce-scatter around the block's matmuls (AsyncTP hides them behind those matmuls), loss
-  parallel's all-reduces, CP's key/value all-gather (hidden behind attention), PP send/recv,
+  parallel's all-reduces, CP's key/value exchange (behind ring attention's steps), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
 - pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
 """
@@ -130,13 +130,24 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
     pw_b = ((3 if compiled else 2) * _pointwise_bytes(s, compiled, False)
             + (_float8_bwd_bytes(s, compiled) if f8 else 0)) / r.hbm
     T, d = s.tokens, s.d
-    # CP ring attention: all-gather of k and v (bf16) in forward; in backward again, plus the
-    # reduce-scatter of their fp32 gradients; fp32 merges of the partial outputs per step.
+    # CP ring attention (torch's _context_parallel/_attention.py): the local k and v reach the
+    # other ranks by one all-gather issued before step 0 and awaited at step 1 ("allgather": it
+    # hides behind step 0's attention, 1/cp of it), or by a send/recv per step ("alltoall": each
+    # behind that step's attention). Backward fetches k and v again the same way and passes the
+    # fp32 k/v gradients around the ring one step at a time.
     cp_f = cp_b = 0.0
     if s.cp > 1:
-        kv_all = 2 * T * s.kv * s.cp
-        cp_f = links["cp"].ring(2 * kv_all)
-        cp_b = links["cp"].ring(2 * kv_all) + links["cp"].ring(4 * kv_all)
+        chunk = 2 * T * s.kv  # elements of this rank's k and v
+        lk, steps = links["cp"], s.cp - 1
+        if p.cp_rotate_method == "allgather":
+            kv_f = max(0.0, lk.ring(2 * chunk * s.cp) - attn_f / s.cp)
+            kv_b = max(0.0, lk.ring(2 * chunk * s.cp) - attn_b / s.cp)
+        else:
+            kv_f = steps * max(0.0, lk.p2p(2 * chunk) - attn_f / s.cp)
+            kv_b = steps * max(0.0, lk.p2p(2 * chunk) - attn_b / s.cp)
+        cp_f = kv_f
+        # the gradients' last hop follows the last step: nothing left to hide it
+        cp_b = kv_b + lk.p2p(4 * chunk) + (steps - 1) * max(0.0, lk.p2p(4 * chunk) - attn_b / s.cp)
         # torch's ring attention (_context_parallel/_attention.py) merges each step's partial
         # output eagerly in fp32: convert (6 bytes per output element), out - block_out (10),
         # x sigmoid (8), out - (12); backward accumulates dq (12) and the rotating dk, dv (20 each).
@@ -158,10 +169,8 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
         # first chunk cannot overlap, the rest hides behind the matmuls.
         return max(comm / s.tp, comm - mm)
 
-    fwd = {"compute": mm_f + attn_f, "memory_bound": pw_f, "tp": exposed_tp(tp_f, mm_f),
-           "cp": max(0.0, cp_f - attn_f)}
-    bwd = {"compute": 2 * mm_f + attn_b, "memory_bound": pw_b, "tp": exposed_tp(tp_b, 2 * mm_f),
-           "cp": max(0.0, cp_b - attn_b)}
+    fwd = {"compute": mm_f + attn_f, "memory_bound": pw_f, "tp": exposed_tp(tp_f, mm_f), "cp": cp_f}
+    bwd = {"compute": 2 * mm_f + attn_b, "memory_bound": pw_b, "tp": exposed_tp(tp_b, 2 * mm_f), "cp": cp_b}
     if ac.mode == "full":
         rec = {"compute": fwd["compute"] + fwd["memory_bound"], "tp": fwd["tp"], "cp": fwd["cp"]}
     elif ac.mode == "selective" and ac.selective_ac_option == "op":
