@@ -34,6 +34,11 @@ FLASH_BWD_OVER_FWD = 2.5
 OPTIMIZER_BYTES_PER_PARAM = 96
 
 
+def _args(cfg):
+    from core.train import model_args  # the model's shapes as the trainer builds them
+    return model_args(cfg, None)
+
+
 @functools.lru_cache(maxsize=256)
 def _order(schedule: str, pp: int, n_micro: int, spr: int):
     from core.parallel.pipeline import pipeline_order
@@ -58,7 +63,7 @@ def analytic_flops(cfg) -> dict:
     torch.utils.flop_counter counts them (dense SDPA; matmul backward 2 x forward, SDPA backward
     2.5 x: it recomputes the scores): the check against the fake step's count."""
     s = M.shapes(cfg)
-    a = M._args(cfg)
+    a = _args(cfg)
     L, seq = a.n_layers, cfg.training.seq_len
     blk = block_flops(s, seq)
     head = 2 * s.tokens * s.d * (a.vocab_size // s.tp)
@@ -340,7 +345,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.from_config(p)
-    a = M._args(cfg)
+    a = _args(cfg)
     s = M.shapes(cfg)
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
