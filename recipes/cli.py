@@ -229,11 +229,22 @@ def _short(v) -> str:
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="torchrun restarts the group this often after a rank dies; the run resumes "
                    "from its latest complete checkpoint (set checkpoint.enabled=true).")
-def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts):
+@click.option("--gpu", default=None, metavar="NAME",
+              help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml; "
+                   "default: the paper's h100_96gb_hbm2e_500w).")
+def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
 
     recipes = _select(ids, table)
+    if gpu is not None:
+        from core.dryrun.gpuspec import SpecError, load_spec
+        if mode != "dry-run":
+            _fail("error: --gpu is for --mode dry-run", EXIT_CONFIG)
+        try:
+            load_spec(gpu)
+        except SpecError as e:
+            _fail(f"error: --gpu: {e}", EXIT_CONFIG)
     if slurm and mode != "real":
         _fail("error: --slurm is for --mode real", EXIT_CONFIG)
     records = Path(records_dir) if records_dir else (None if out else launcher.default_records_dir())
@@ -280,7 +291,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
                    + f" · {run_dir}")
         if mode == "dry-run":
             try:
-                launcher.run_dry(cfg, run_dir)
+                launcher.run_dry(cfg, run_dir, gpu)
             except launcher.CannotRunHere as e:
                 _fail(f"error: {e}", EXIT_CANNOT)
             dest = launcher.copy_record(run_dir / "result.json", records, mode, r)

@@ -340,13 +340,13 @@ def stream(cmd: list[str], env: dict[str, str], log_path: Path, out=None) -> int
             proc.stdout.close()
 
 
-def run_dry(cfg: JobConfig, run_dir: Path) -> dict:
+def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     """core.dryrun.record.dry_run at true scale; the record it returns, completed with our fields."""
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
     from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
     cfg.job.output_dir = str(run_dir)
-    record = dict(dry_run(cfg))
+    record = dict(dry_run(cfg, gpu=gpu) if gpu else dry_run(cfg))
     record.setdefault("recipe", cfg.job.recipe)
     record.setdefault("mode", "dry-run")
     record.setdefault("config", cfg.to_dict())

@@ -15,9 +15,12 @@ The paper's guidance, as rules (each candidate's violations are printed with it)
    layouts without it do not fit.
 5. Activation checkpointing: the cheapest mode that fits (none, then selective op, then full).
 
-Ranking: fits in --gpu-mem, then fewest rule violations, then fewest dimensions besides FSDP
-(TP before PP before CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most
-headroom.
+Ranking (`run-recipe plan`): among the layouts that fit and follow the guidance (then those that
+fit but break a rule), by tokens/s per GPU as the dry-run
+performance model predicts it on --gpu (core.dryrun.runtime.predict); the rules above break ties
+and order what does not fit. `candidates(..., by_speed=False)` keeps the rules-only order: fits in
+--gpu-mem, then fewest rule violations, then fewest dimensions besides FSDP (TP before PP before
+CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroom.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import click
 
 FSDP_MAX_GROUP = 128
 LONG_CONTEXT = 32768
+SPEED_TIE = 0.03  # predicted tokens/s within 3% of the fastest: ordered by the rules
 AC_ORDER = (("none", "op"), ("selective", "op"), ("full", "op"))  # cheapest recompute first
 
 
@@ -41,6 +45,13 @@ class Candidate:
     violations: list[str]
     peak_at: str
     breakdown: dict
+    cfg: object = dataclasses.field(default=None, repr=False)
+    memory: dict | None = dataclasses.field(default=None, repr=False)  # estimate_memory's result
+    predicted: dict | None = None  # core.dryrun.runtime.predict, when ranked by speed
+
+    @property
+    def tps(self) -> float:
+        return self.predicted["tokens_per_sec_per_gpu"] if self.predicted else 0.0
 
     @property
     def dims_used(self) -> int:
@@ -82,11 +93,12 @@ def base_config(model: str, seq: int, local_batch: int):
 
 def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int | None = None,
                gpus_per_node: int = 8, compile_: bool = True, float8: bool = False,
-               global_batch: int | None = None) -> list[Candidate]:
+               global_batch: int | None = None, by_speed: bool = False, gpu: str | None = None) -> list[Candidate]:
     """Every valid (dp_shard, tp, pp, cp) layout of `gpus` GPUs with the cheapest AC that fits
     (or full AC when none does), ranked (best first). The batch: `local_batch` sequences per
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
-    (one per stage with PP)."""
+    (one per stage with PP). by_speed: rank the ones that fit by predicted tokens/s per GPU on
+    the GPU spec `gpu` (default: the paper's), the rules breaking ties."""
     from core.config import ConfigError, validate
     from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.models.llama3 import FLAVORS
@@ -125,7 +137,8 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
                     need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
                     cand = Candidate({"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp}, mode, lb,
                                      p.pp_microbatches or 1, need, need <= gpu_mem, [], est["peak_at"],
-                                     est["breakdown"])
+                                     est["breakdown"], cfg)
+                    cand.memory = est
                     best = cand
                     if cand.fits:
                         break
@@ -133,7 +146,21 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
                     continue
                 best.violations = _violations(best, seq, gpus_per_node)
                 out.append(best)
-    return sorted(out, key=Candidate.key)
+    ranked = sorted(out, key=Candidate.key)
+    if not by_speed:
+        return ranked
+    from core.dryrun.gpuspec import DEFAULT_GPU
+    from core.dryrun.runtime import predict
+    for c in ranked:
+        c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
+    # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
+    ranked = sorted(ranked, key=lambda c: (not c.fits, bool(c.violations), -c.tps if c.fits else 0.0))
+    # Predictions closer than the model's own error to the fastest are a tie: the rules order those.
+    top = ranked[0]
+    ties = [c for c in ranked if c.fits == top.fits and bool(c.violations) == bool(top.violations)
+            and c.tps >= top.tps * (1 - SPEED_TIE)]
+    ties.sort(key=Candidate.key)
+    return ties + [c for c in ranked if c not in ties]
 
 
 def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
@@ -166,7 +193,11 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 @click.option("--model", type=click.Choice(["8B", "70B", "405B"]), required=True)
 @click.option("--gpus", type=int, required=True, help="World size.")
 @click.option("--seq", type=int, default=8192, show_default=True, help="Sequence length.")
-@click.option("--gpu-mem", type=float, default=80.0, show_default=True, help="GiB per GPU.")
+@click.option("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the --gpu spec's capacity, "
+              "80 without --gpu).")
+@click.option("--gpu", default=None, metavar="NAME",
+              help="GPU spec of the speed prediction (core/dryrun/hardware/NAME.toml; default: the paper's).")
+@click.option("--json", "as_json", is_flag=True, help="Print the ranked list as JSON.")
 @click.option("--local-batch", type=int, default=None,
               help="Sequences per data-parallel rank (default: 1, or one per stage with PP).")
 @click.option("--global-batch", type=int, default=None,
@@ -176,26 +207,48 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 @click.option("--top", type=int, default=10, show_default=True, help="Candidates to print.")
 @click.option("--no-compile", is_flag=True, help="Estimate eager memory (default: per-block compile).")
 @click.option("--float8", is_flag=True, help="Float8 linears with float8 FSDP all-gather.")
-def plan(model, gpus, seq, gpu_mem, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
-    """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs, ranked by the paper's guidance and
-    checked by the dry-run memory estimate."""
+def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile,
+         float8):
+    """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
+    estimate) ranked by predicted tokens/s per GPU (dry-run performance model)."""
+    import json
+
     from tabulate import tabulate
+
+    from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
+    try:
+        spec = load_spec(gpu or DEFAULT_GPU)
+    except SpecError as e:
+        raise click.BadParameter(str(e), param_hint="--gpu") from None
+    if gpu_mem is None:
+        gpu_mem = spec.hbm_capacity_gib if gpu else 80.0
     if gpus < 1 or seq < 2 or gpu_mem <= 0 or any(b is not None and b < 1 for b in (local_batch, global_batch)):
         raise click.BadParameter("--gpus, --seq, --gpu-mem and the batch sizes must be positive")
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
     ranked = candidates(model, gpus, seq, gpu_mem, local_batch, gpus_per_node, not no_compile, float8,
-                        global_batch)
+                        global_batch, by_speed=True, gpu=spec.name)
     if not ranked:
         raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
+    if as_json:
+        click.echo(json.dumps([{"rank": i, "layout": c.layout(), "degrees": c.degrees, "ac": c.ac,
+                                "local_batch": c.local_batch, "estimate_gib": round(c.estimate_gib, 2),
+                                "fits": c.fits, "violations": c.violations, "gpu": spec.name,
+                                "tokens_per_sec_per_gpu": round(c.tps, 1),
+                                "step_time_s": round(c.predicted["step_time_s"], 4),
+                                "mfu": round(c.predicted["mfu"], 4)}
+                               for i, c in enumerate(ranked, 1)], indent=2))
+        return
     rows = []
     for i, c in enumerate(ranked[:top], 1):
         ac = c.ac if c.ac != "selective" else "selective op"
         rows.append([i, c.layout(), c.local_batch, ac, f"{c.estimate_gib:.1f}", "yes" if c.fits else "no",
-                     "; ".join(c.violations) or "-"])
+                     f"{c.tps:.0f}", f"{c.predicted['mfu']:.1%}", "; ".join(c.violations) or "-"])
     click.echo(f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
-               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory):")
-    click.echo(tabulate(rows, headers=["#", "layout", "local batch", "AC", "est. GiB", "fits", "against the guidance"]))
+               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
+               f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:")
+    click.echo(tabulate(rows, headers=["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU",
+                                       "MFU", "against the guidance"]))
     best = ranked[0]
     click.echo(f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
                + ("" if best.fits else "  (nothing fits: the least memory is shown)"))
@@ -212,14 +265,12 @@ def plan(model, gpus, seq, gpu_mem, local_batch, global_batch, gpus_per_node, to
                        f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})")
             continue
         c = ranked[pos - 1]
-        why = [f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}"
-               + ("" if c.fits else " (does not fit)")]
+        why = [f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
+               f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")]
         if c.local_batch != lb:
             why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
         if c.fits and best.fits:
-            why.append(f"{best.layout()} also fits and the rules prefer it (fewer dimensions besides "
-                       "FSDP, TP before PP, cheaper AC); this advisor weighs memory, not the cross-node "
-                       "communication the paper's extra dimensions save")
+            why.append(f"{best.layout()} also fits and is predicted faster ({best.tps:.0f} tokens/s per GPU)")
         click.echo(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
 
 

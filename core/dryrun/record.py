@@ -6,7 +6,9 @@ import copy
 import time
 
 from core.dryrun.fake_step import fake_step
+from core.dryrun.gpuspec import DEFAULT_GPU
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB, estimate_memory
+from core.dryrun.runtime import predict
 
 METHOD = ("accounting: per-rank timeline of the step (core.dryrun.memory.estimate_memory) -> peak "
           f"allocated, + {ALLOCATOR_GAP_GIB} GiB caching-allocator gap -> peak reserved; fake step: "
@@ -15,9 +17,10 @@ METHOD = ("accounting: per-rank timeline of the step (core.dryrun.memory.estimat
           "measuring it where it applies")
 
 
-def dry_run(cfg, fake: bool = True, track: bool | None = None) -> dict:
+def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAULT_GPU) -> dict:
     """The dry-run record of a validated paper config: does the layout compose at true scale,
-    and the estimated peak memory per rank with each part shown.
+    the estimated peak memory per rank with each part shown, and the predicted step time,
+    tokens/s per GPU and MFU on the GPU system `gpu` (core/dryrun/hardware/<gpu>.toml).
 
     fake=False skips the fake step (accounting only, instant). track: see fake_step. When the
     tracker ran, the record also holds the accounting with the fake step's own semantics
@@ -50,6 +53,7 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None) -> dict:
         "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                     "tp": dims.tp, "pp": dims.pp},
         "composes": None,
+        "predicted": predicted_record(cfg, gpu),
     }
     if fake:
         try:
@@ -78,3 +82,20 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None) -> dict:
                 }
     record["dry_run_s"] = round(time.perf_counter() - t0, 1)
     return record
+
+
+def predicted_record(cfg, gpu: str = DEFAULT_GPU) -> dict:
+    """The performance model's prediction (core.dryrun.runtime.predict), rounded for the record."""
+    pr = predict(cfg, gpu)
+    b = pr["breakdown"]
+    return {
+        "gpu": pr["gpu"],
+        "step_time_s": round(pr["step_time_s"], 4),
+        "tokens_per_sec_per_gpu": round(pr["tokens_per_sec_per_gpu"], 1),
+        "mfu": round(pr["mfu"], 4),
+        "breakdown": {**{k: round(v, 4) for k, v in b.items() if k != "exposed_comm"},
+                      "exposed_comm": {k: round(v, 4) for k, v in b["exposed_comm"].items()}},
+        "fits": pr["fits"],
+        "capacity_gib": pr["capacity_gib"],
+        "calibration": pr["calibration"],
+    }

@@ -1,0 +1,441 @@
+"""Dry-run performance model: the step time of a layout on a named GPU system, and from it
+tokens/s per GPU and MFU, with where the time goes.
+
+It walks the same step the memory accounting walks (core/dryrun/memory.py): forward and
+backward of each block, the loss, the optimizer; under PP each rank's actions in the schedule's
+own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
+
+- compute: matmul FLOPs at the GEMM rate (linears at the FP8 rate under Float8; the output
+  projection stays BF16, as torchtitan filters it), causal flash-attention FLOPs at the
+  attention rate; recompute under the AC mode (full: the whole block forward; selective op with
+  every other matmul saved: wk, wo, w3 and every pointwise op; selective k: every k-th block);
+- memory-bound work: bytes of the pointwise / norm / RoPE / cast ops at HBM bandwidth (see
+  `_pointwise_bytes` for what compile fuses);
+- communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
+  on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
+  reduce-scatter around the block's matmuls (AsyncTP hides them behind those matmuls), loss
+  parallel's all-reduces, CP's key/value exchange (behind ring attention's steps), PP send/recv,
+  the grad-norm all-reduce; what cannot hide is exposed;
+- pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
+"""
+from __future__ import annotations
+
+import functools
+
+from core.dryrun import memory as M
+from core.dryrun.comms import mesh_links
+from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
+
+# Flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores).
+FLASH_BWD_OVER_FWD = 2.5
+# torch's foreach AdamW (not fused) in bytes per fp32 parameter: lerp of m (12), mul + addcmul
+# of v (24), weight decay (8), sqrt, divide, add eps (24), addcdiv into p (16); grad clipping
+# reads the gradient for its norm and scales it (12).
+OPTIMIZER_BYTES_PER_PARAM = 96
+
+
+def _args(cfg):
+    from core.train import model_args  # the model's shapes as the trainer builds them
+    return model_args(cfg, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _order(schedule: str, pp: int, n_micro: int, spr: int):
+    from core.parallel.pipeline import pipeline_order
+    return pipeline_order(schedule, pp, n_micro, spr)
+
+
+# =============================================================================================
+# One block, one microbatch, one rank
+# =============================================================================================
+def block_flops(s: M.Shapes, seq_len: int) -> dict:
+    """Forward FLOPs of one block: matmuls (local widths, all T tokens of the rank: SP gathers
+    them), attention as flash runs it (causal: half the score matrix; CP ranks hold 1/cp of the
+    queries against the whole sequence) and as torch's FLOP counter counts SDPA (dense)."""
+    T, d = s.tokens, s.d
+    mm = 2 * T * (2 * d * s.q + 2 * d * s.kv + 3 * d * s.f)
+    dense_attn = 4 * T * seq_len * s.q
+    return {"matmul": mm, "attention": dense_attn / 2, "attention_dense": dense_attn}
+
+
+def analytic_flops(cfg) -> dict:
+    """Matmul + attention FLOPs of one training step on one rank without PP and without AC, as
+    torch.utils.flop_counter counts them (dense SDPA; matmul backward 2 x forward, SDPA backward
+    2.5 x: it recomputes the scores): the check against the fake step's count."""
+    s = M.shapes(cfg)
+    a = _args(cfg)
+    L, seq = a.n_layers, cfg.training.seq_len
+    blk = block_flops(s, seq)
+    head = 2 * s.tokens * s.d * (a.vocab_size // s.tp)
+    n = M.microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
+    mm = 3 * (L * blk["matmul"] + head) * n
+    attn = (1 + FLASH_BWD_OVER_FWD) * L * blk["attention_dense"] * n
+    return {"total": mm + attn, "matmul": mm, "attention": attn}
+
+
+def _pointwise_bytes(s: M.Shapes, compiled: bool, float8: bool) -> float:
+    """HBM bytes of one block's forward outside the matmuls and SDPA.
+
+    Eager, per core/models/llama3.py: RMSNorm upcasts, squares, averages, scales, casts back and
+    multiplies by its weight (36 bytes per element); the residual add (6); RoPE upcasts q and k,
+    multiplies complex and casts back (20); repeat_kv copies k and v out to the query heads;
+    SiLU then the product (10 per FFN element). Compiled, inductor fuses each run of pointwise
+    and reduction ops between two extern kernels (matmul, SDPA) into one kernel that reads its
+    inputs once and writes its outputs once: residual add + RMSNorm (8 bytes), RoPE on q and k
+    together with repeat_kv's copy (4 + the expanded write), SiLU x mul (6). Float8 (tensorwise,
+    dynamic): each linear's input gets an amax pass and a scaled cast (5 bytes per element,
+    compiled: amax and cast are two kernels; eager, several more: x2)."""
+    T, a = s.tokens, 2
+    Tsp = T * s.sp
+    expand = 2 * T * (s.q - s.kv) * a if s.n_rep > 1 else 0.0
+    if compiled:
+        b = 2 * 8 * Tsp * s.d + 4 * T * (s.q + s.kv) + expand + 6 * T * s.f
+    else:
+        b = 2 * 36 * Tsp * s.d + 2 * 6 * Tsp * s.d + 20 * T * (s.q + s.kv) + expand + 2 * expand + 10 * T * s.f
+    if float8:
+        inputs = T * (2 * s.d + s.q + s.f)  # attention input, wo input, FFN input, w2 input
+        b += 5 * inputs * (1 if compiled else 2)
+    return b
+
+
+def _float8_bwd_bytes(s: M.Shapes, compiled: bool) -> float:
+    """Backward casts of Float8 linears: each output gradient's amax, cast and transposed copy
+    (6 bytes per element) and the saved fp8 inputs' transposes for the weight gradients (2)."""
+    T = s.tokens
+    grads = T * (s.q + 2 * s.kv + s.d + 2 * s.f + s.d)
+    inputs = T * (2 * s.d + s.q + s.f)
+    return (6 * grads + 2 * inputs) * (1 if compiled else 2)
+
+
+class _Rates:
+    def __init__(self, spec: GPUSpec):
+        clk = spec.clock_fraction
+        self.bf16 = spec.peak_bf16_flops * spec.gemm_bf16 * clk
+        self.fp8 = spec.peak_fp8_flops * spec.gemm_fp8 * clk
+        self.attn_f = spec.peak_bf16_flops * spec.flash_attention_fwd * clk
+        self.attn_b = spec.peak_bf16_flops * spec.flash_attention_bwd * clk
+        self.hbm = spec.hbm_bandwidth * spec.hbm
+
+
+def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
+    """Seconds of one block for one microbatch: forward, recompute, backward, each split into
+    compute / memory_bound / exposed tp / exposed cp, and the FSDP traffic of the block."""
+    r = _Rates(spec)
+    p, ac = cfg.parallelism, cfg.activation_checkpoint
+    compiled, f8 = cfg.compile.enabled, cfg.float8.enabled
+    seq = cfg.training.seq_len
+    fl = block_flops(s, seq)
+    mm_rate = r.fp8 if f8 else r.bf16
+    mm_f = fl["matmul"] / mm_rate
+    attn_f = fl["attention"] / r.attn_f
+    attn_b = FLASH_BWD_OVER_FWD * fl["attention"] / r.attn_b
+    pw_f = _pointwise_bytes(s, compiled, f8) / r.hbm
+    # Backward moves about twice the forward's bytes (gradient in, saved input, gradient out);
+    # compiled, the min-cut partitioner also reruns the fused forward kernels it did not save.
+    pw_b = ((3 if compiled else 2) * _pointwise_bytes(s, compiled, False)
+            + (_float8_bwd_bytes(s, compiled) if f8 else 0)) / r.hbm
+    T, d = s.tokens, s.d
+    # CP ring attention (torch's _context_parallel/_attention.py): the local k and v reach the
+    # other ranks by one all-gather issued before step 0 and awaited at step 1 ("allgather": it
+    # hides behind step 0's attention, 1/cp of it), or by a send/recv per step ("alltoall": each
+    # behind that step's attention). Backward fetches k and v again the same way and passes the
+    # fp32 k/v gradients around the ring one step at a time.
+    cp_f = cp_b = 0.0
+    if s.cp > 1:
+        chunk = 2 * T * s.kv  # elements of this rank's k and v
+        lk, steps = links["cp"], s.cp - 1
+        if p.cp_rotate_method == "allgather":
+            kv_f = max(0.0, lk.ring(2 * chunk * s.cp) - attn_f / s.cp)
+            kv_b = max(0.0, lk.ring(2 * chunk * s.cp) - attn_b / s.cp)
+        else:
+            kv_f = steps * max(0.0, lk.p2p(2 * chunk) - attn_f / s.cp)
+            kv_b = steps * max(0.0, lk.p2p(2 * chunk) - attn_b / s.cp)
+        cp_f = kv_f
+        # the gradients' last hop follows the last step: nothing left to hide it
+        cp_b = kv_b + lk.p2p(4 * chunk) + (steps - 1) * max(0.0, lk.p2p(4 * chunk) - attn_b / s.cp)
+        # torch's ring attention (_context_parallel/_attention.py) merges each step's partial
+        # output eagerly in fp32: convert (6 bytes per output element), out - block_out (10),
+        # x sigmoid (8), out - (12); backward accumulates dq (12) and the rotating dk, dv (20 each).
+        pw_f += (s.cp - 1) * 36 * T * s.q / r.hbm
+        pw_b += (s.cp - 1) * (12 * T * s.q + 40 * T * s.kv) / r.hbm
+    # TP/SP: all-gather before attention and FFN (fp8 with float8 TP styles), reduce-scatter after
+    # wo and w2; backward the reverse on bf16 gradients.
+    tp_f = tp_b = 0.0
+    if s.tp > 1:
+        ag = links["tp"].ring(T * d * s.lin_in)
+        rs = links["tp"].ring(T * d * 2)
+        tp_f = 2 * ag + 2 * rs
+        tp_b = 4 * links["tp"].ring(T * d * 2)
+
+    def exposed_tp(comm, mm):
+        if not p.enable_async_tp:
+            return comm
+        # AsyncTP splits each collective into tp chunks pipelined with the matmul's pieces: the
+        # first chunk cannot overlap, the rest hides behind the matmuls.
+        return max(comm / s.tp, comm - mm)
+
+    fwd = {"compute": mm_f + attn_f, "memory_bound": pw_f, "tp": exposed_tp(tp_f, mm_f), "cp": cp_f}
+    bwd = {"compute": 2 * mm_f + attn_b, "memory_bound": pw_b, "tp": exposed_tp(tp_b, 2 * mm_f), "cp": cp_b}
+    if ac.mode == "full":
+        rec = {"compute": fwd["compute"] + fwd["memory_bound"], "tp": fwd["tp"], "cp": fwd["cp"]}
+    elif ac.mode == "selective" and ac.selective_ac_option == "op":
+        mm_re = 2 * T * (d * s.kv + s.q * d + d * s.f) / mm_rate if ac.save_every_other_mm else 0.0
+        # The saved reduce-scatter outputs spare those; the all-gathers run again.
+        rec = {"compute": mm_re + pw_f, "tp": exposed_tp(tp_f / 2, mm_re), "cp": 0.0}
+    elif ac.mode == "selective":
+        k = int(ac.selective_ac_option)
+        rec = {"compute": (fwd["compute"] + fwd["memory_bound"]) / k, "tp": fwd["tp"] / k, "cp": fwd["cp"] / k}
+    else:
+        rec = {"compute": 0.0, "tp": 0.0, "cp": 0.0}
+    return {"fwd": fwd, "bwd": bwd, "recompute": rec}
+
+
+def head_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
+    """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
+    forward and backward seconds, and the exposed TP part (all-gather of the normed input,
+    loss parallel's two scalar-per-token all-reduces)."""
+    r = _Rates(spec)
+    T = s.tokens
+    V = vocab // s.tp
+    mm = 2 * T * s.d * V / r.bf16
+    # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way).
+    ce = 18 * T * V / r.hbm
+    norm = (8 if cfg.compile.enabled else 42) * T * s.sp * s.d / r.hbm
+    tp = 0.0
+    if s.tp > 1:
+        tp = links["tp"].ring(T * s.d * 2)
+        if cfg.parallelism.loss_parallel:
+            tp += 2 * links["tp"].ring(4 * T * s.tp)
+    return {"fwd": {"compute": mm, "memory_bound": ce + norm, "tp": tp},
+            "bwd": {"compute": 2 * mm, "memory_bound": ce + 2 * norm, "tp": tp}}
+
+
+# =============================================================================================
+# The step
+# =============================================================================================
+def _sum(d: dict, keys=("compute", "memory_bound", "tp", "cp")) -> float:
+    return sum(d.get(k, 0.0) for k in keys)
+
+
+class _Acc:
+    """Breakdown accumulator (seconds)."""
+
+    def __init__(self):
+        self.parts = {"compute": 0.0, "memory_bound": 0.0, "recompute": 0.0}
+        self.comm: dict[str, float] = {}
+
+    def add(self, d: dict, scale: float = 1.0, recompute: bool = False):
+        if recompute:
+            self.parts["recompute"] += scale * d.get("compute", 0.0)
+        else:
+            self.parts["compute"] += scale * d.get("compute", 0.0)
+            self.parts["memory_bound"] += scale * d.get("memory_bound", 0.0)
+        for k in ("tp", "cp"):
+            if d.get(k):
+                self.comm[k] = self.comm.get(k, 0.0) + scale * d[k]
+
+    def comm_add(self, key: str, t: float):
+        if t > 0:
+            self.comm[key] = self.comm.get(key, 0.0) + t
+
+
+def _fsdp_stream(events: list[tuple[float, float, float]]) -> float:
+    """Compute events with the FSDP stream beside them: event k needs its all-gather a_k, issued
+    when event k-1 starts (one block of prefetch), and issues its reduce-scatter r_k when it
+    ends; the stream runs its collectives in issue order. Returns when the last one finishes."""
+    comm_free = end_prev = 0.0
+    ag_end = comm_free = events[0][1] if events else 0.0
+    for k, (c, _, r) in enumerate(events):
+        start = max(end_prev, ag_end)
+        if k + 1 < len(events):  # the next all-gather is issued now, before this event's reduce-scatter
+            ag_end = comm_free = max(comm_free, start) + events[k + 1][1]
+        end_prev = start + c
+        if r:
+            comm_free = max(comm_free, end_prev) + r
+    return max(end_prev, comm_free)
+
+
+def _stage_costs(cfg, s, blk, head, emb, sp) -> dict:
+    """Seconds of one microbatch's F and B on a stage (compute path only) and their breakdown."""
+    f_parts, b_parts = [], []
+    f_parts.append((blk["fwd"], sp.layers, False))
+    b_parts += [(blk["bwd"], sp.layers, False), (blk["recompute"], sp.layers, True)]
+    if sp.first:
+        f_parts.append((emb["fwd"], 1, False))
+        b_parts.append((emb["bwd"], 1, False))
+    if sp.last:
+        f_parts.append((head["fwd"], 1, False))
+        b_parts.append((head["bwd"], 1, False))
+    f = sum(n * _sum(d) for d, n, _ in f_parts)
+    b = sum(n * _sum(d) for d, n, _ in b_parts)
+    return {"F": f, "B": b, "f_parts": f_parts, "b_parts": b_parts}
+
+
+def _run_schedule(table: list[list], n_stages: int, cost, hop: float) -> tuple[list[float], list[float]]:
+    """Each rank's actions in table order, each as early as its inputs allow; a dependency on
+    another stage costs `hop` (PP send/recv). F(s, m) after F(s-1, m); the backward (B or I) of
+    (s, m) after that of (s+1, m) and after F(s, m); W after I. Returns per-rank finish and busy."""
+    from core.parallel.pipeline import _compute_parts
+    done: dict[tuple, float] = {}
+    pos, free, busy = [0] * len(table), [0.0] * len(table), [0.0] * len(table)
+
+    def ready(a):
+        sid, k, m = a.stage_index, a.computation_type.value, a.microbatch_index
+        if k == "F":
+            groups = [] if sid == 0 else [[(sid - 1, "F", m, hop)]]
+        elif k in ("B", "I"):
+            groups = [[(sid, "F", m, 0.0)]]
+            if sid < n_stages - 1:
+                groups.append([(sid + 1, "B", m, hop), (sid + 1, "I", m, hop)])
+        else:
+            groups = [[(sid, "I", m, 0.0), (sid, "B", m, 0.0)]]
+        t = 0.0
+        for g in groups:
+            times = [done[x[:3]] + x[3] for x in g if x[:3] in done]
+            if not times:
+                return None
+            t = max(t, min(times))
+        return t
+
+    remaining = sum(len(r) for r in table)
+    while remaining:
+        progressed = False
+        for r, row in enumerate(table):
+            while pos[r] < len(row):
+                parts = _compute_parts(row[pos[r]])
+                starts = [ready(x) for x in parts]
+                if any(x is None for x in starts):
+                    break
+                t = max([free[r], *starts])
+                for x in parts:
+                    c = cost(x.stage_index, x.computation_type.value, x.microbatch_index)
+                    t += c
+                    busy[r] += c
+                    done[(x.stage_index, x.computation_type.value, x.microbatch_index)] = t
+                free[r], pos[r] = t, pos[r] + 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline table deadlocks")
+    return free, busy
+
+
+def _emb_times(cfg, s, spec, links, vocab) -> dict:
+    """Token embedding: a gather forward (and, with TP, the reduce-scatter of its row-wise
+    output); backward zeroes and scatter-adds into the full local table."""
+    r = _Rates(spec)
+    T = s.tokens
+    tp = links["tp"].ring(T * s.d * 2) if s.tp > 1 else 0.0
+    return {"fwd": {"memory_bound": 4 * T * s.d / r.hbm, "tp": tp},
+            "bwd": {"memory_bound": (8 * T * s.d + 4 * vocab // s.tp * s.d) / r.hbm, "tp": tp}}
+
+
+def _fsdp_bytes(cfg, sp) -> dict:
+    f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+    red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
+    return {"ag_block": sp.block_linear * (1 if f8 else 2) + (sp.block - sp.block_linear) * 2,
+            "ag_root": sp.root * 2, "rs_block": sp.block * red, "rs_root": sp.root * red}
+
+
+def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -> dict:
+    """Step time, tokens/s per GPU, MFU and the breakdown (seconds) of a validated config on a
+    GPU system (a spec name, see core/dryrun/hardware, or a GPUSpec). `memory`: the config's
+    `estimate_memory` result if the caller has it (else computed) for `fits`."""
+    from core.parallel.mesh import ParallelDims
+    spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
+    p, t = cfg.parallelism, cfg.training
+    dims = ParallelDims.from_config(p)
+    a = _args(cfg)
+    s = M.shapes(cfg)
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
+    fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
+    links = mesh_links(spec, sizes, fsdp_dims)
+    fsdp_label = links["fsdp"].label
+    shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
+    blk = block_times(cfg, s, spec, links)
+    head = head_times(cfg, s, spec, links, a.vocab_size)
+    emb = _emb_times(cfg, s, spec, links, a.vocab_size)
+    accum = max(1, t.grad_accum_steps)
+    acc = _Acc()
+    placement = M.rank_stages(cfg)
+    n_stages = sum(len(x) for x in placement)
+
+    def fsdp_times(sp):
+        b = _fsdp_bytes(cfg, sp)
+        fl, rep = links["fsdp"], links["dp_replicate"]
+        on = dims.fsdp_enabled
+        return {"ag_block": fl.ring(b["ag_block"]) if on else 0.0, "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
+                "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / shard),
+                "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / shard)}
+
+    if p.pp == 1:
+        sp = M.stage_params(a, a.n_layers, True, True, p.tp)
+        ft = fsdp_times(sp)
+        costs = _stage_costs(cfg, s, blk, head, emb, sp)
+        blk_f, blk_b = _sum(blk["fwd"]), _sum(blk["bwd"]) + _sum(blk["recompute"])
+        events = []
+        for _ in range(accum):
+            events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
+            events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
+            events.append((_sum(head["fwd"]) + _sum(head["bwd"]), 0.0, 0.0))
+            events += [(blk_b, ft["ag_block"], ft["rs_block"])] * a.n_layers
+            events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
+            for d, n, rec in costs["f_parts"] + costs["b_parts"]:
+                acc.add(d, n, rec)
+        busy = sum(e[0] for e in events)
+        fb = _fsdp_stream(events)
+        acc.comm_add(fsdp_label, fb - busy)
+        bubble, pp_exposed, params_local = 0.0, 0.0, sp.total
+    else:
+        from core.config import stages_per_rank
+        n_micro = M.microbatches(cfg)
+        table = _order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, a.n_layers))
+        sps = {sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
+               for rank in placement for sid, layers in rank}
+        sc = {sid: _stage_costs(cfg, s, blk, head, emb, sp) for sid, sp in sps.items()}
+        ft = {sid: fsdp_times(sp) for sid, sp in sps.items()}
+        # FSDP under PP gathers a stage once, at its first forward (blocks prefetched behind
+        # that forward), keeps it, and reduce-scatters once after the last backward.
+        first_f = {}
+        for sid, sp in sps.items():
+            ag_stage = sp.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
+            first_f[sid] = ft[sid]["ag_block"] + max(0.0, ag_stage - ft[sid]["ag_block"] - sc[sid]["F"])
+
+        def cost(sid, kind, m, with_fsdp=True):
+            c = sc[sid]
+            if kind == "F":
+                return c["F"] + (first_f[sid] if (m == 0 and with_fsdp) else 0.0)
+            return c["B"] if kind == "B" else c["B"] / 2  # I and W: half a backward each
+
+        hop = links["pp"].p2p(s.tokens * s.sp * s.d * 2)
+        free1, _ = _run_schedule(table, n_stages, cost, hop)
+        free0, _ = _run_schedule(table, n_stages, cost, 0.0)
+        tails = [sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank)
+                 for rank in placement]
+        ends = [f + tl for f, tl in zip(free1, tails)]
+        r = max(range(p.pp), key=lambda i: ends[i])
+        fb = accum * ends[r]
+        for sid, _ in placement[r]:
+            for d, n, rec in sc[sid]["f_parts"] + sc[sid]["b_parts"]:
+                acc.add(d, n * n_micro * accum, rec)
+            acc.comm_add(fsdp_label, accum * first_f[sid])
+        acc.comm_add(fsdp_label, accum * tails[r])
+        pp_exposed = accum * max(0.0, max(free1) - max(free0))
+        acc.comm_add("pp", pp_exposed)
+        bubble = max(0.0, fb - sum(acc.parts.values()) - sum(acc.comm.values()))
+        params_local = max(sum(sps[sid].total for sid, _ in rank) for rank in placement)
+    grad_norm = links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / shard / _Rates(spec).hbm
+    acc.comm_add("grad_norm", grad_norm)
+    step = fb + grad_norm + optimizer
+    tokens_step = t.local_batch_size * t.seq_len * accum * dims.dp
+    tps = tokens_step / dims.world_size / step
+    from core.metrics import flops_per_token
+    mfu = flops_per_token(a, t.seq_len) * tps / spec.peak_bf16_flops
+    mem = memory if memory is not None else M.estimate_memory(cfg, gpu_gib=spec.hbm_capacity_gib)
+    breakdown = {**acc.parts, "exposed_comm": dict(acc.comm), "bubble": bubble, "optimizer": optimizer}
+    return {"gpu": spec.name, "step_time_s": step, "tokens_per_sec_per_gpu": tps, "mfu": mfu,
+            "breakdown": breakdown, "fits": mem["allocated_peak_gib"] <= spec.hbm_capacity_gib,
+            "allocated_peak_gib": mem["allocated_peak_gib"], "capacity_gib": spec.hbm_capacity_gib,
+            "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in links.items()},
+            "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks"}

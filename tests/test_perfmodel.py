@@ -1,0 +1,291 @@
+"""The dry-run performance model (core/dryrun/runtime.py): physics, GPU specs, speed, the FLOP
+count against torch's counter, and the goals against the paper's throughput tables."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+
+import pytest
+
+from core.dryrun import gpuspec as G
+from core.dryrun.runtime import predict
+from recipes import launcher, registry
+
+pytestmark = pytest.mark.perfmodel
+
+PAPER = G.DEFAULT_GPU
+NO_MEM = {"allocated_peak_gib": 0.0}  # memory is not under test here: skip the accounting
+
+
+@functools.cache
+def cfg_of(rid: str):
+    return launcher.resolve_config(registry.get(rid), "dry-run")
+
+
+def tps(rid: str, spec=PAPER) -> float:
+    return predict(cfg_of(rid), spec, memory=NO_MEM)["tokens_per_sec_per_gpu"]
+
+
+def spec(**changes) -> G.GPUSpec:
+    return dataclasses.replace(G.load_spec(PAPER), **changes)
+
+
+ROWS = [r.id for r in registry.all_recipes()]
+
+
+# ------------------------------------------------------------------------------------- physics
+def test_more_bandwidth_never_slows_a_row():
+    base = G.load_spec(PAPER)
+    for factor in (2.0, 10.0):
+        faster = dataclasses.replace(base, hbm_bandwidth=base.hbm_bandwidth * factor,
+                                     nvlink_bandwidth=base.nvlink_bandwidth * factor,
+                                     network_bandwidth=base.network_bandwidth * factor)
+        for rid in ROWS:
+            assert tps(rid, faster) >= tps(rid, base) * (1 - 1e-9), (rid, factor)
+    # each link alone too
+    for field in ("hbm_bandwidth", "nvlink_bandwidth", "network_bandwidth"):
+        faster = dataclasses.replace(base, **{field: getattr(base, field) * 4})
+        for rid in ROWS:
+            assert tps(rid, faster) >= tps(rid, base) * (1 - 1e-9), (rid, field)
+
+
+def test_fp8_peak_equal_to_bf16_removes_float8_compute_gain():
+    base = G.load_spec(PAPER)
+    same = dataclasses.replace(base, peak_fp8_flops=base.peak_bf16_flops, gemm_fp8=base.gemm_bf16)
+    for gpus in (8, 128):
+        f8 = predict(cfg_of(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8"), same, memory=NO_MEM)
+        bf = predict(cfg_of(f"llama3_8b/table1/{gpus}gpu_fsdp_compile"), same, memory=NO_MEM)
+        assert f8["breakdown"]["compute"] == pytest.approx(bf["breakdown"]["compute"], rel=1e-9)
+        assert f8["tokens_per_sec_per_gpu"] <= bf["tokens_per_sec_per_gpu"]  # only the casts remain
+        # with the real FP8 rate Float8 is faster
+        assert tps(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8") > tps(f"llama3_8b/table1/{gpus}gpu_fsdp_compile")
+
+
+def test_one_gpu_per_node_makes_tp_slower():
+    one = spec(gpus_per_node=1)
+    for rid in ("llama3_70b/table2/256gpu_fsdp_tp_compile_float8", "llama3_405b/table3/512gpu_3d_1f1b"):
+        slow = predict(cfg_of(rid), one, memory=NO_MEM)
+        fast = predict(cfg_of(rid), PAPER, memory=NO_MEM)
+        assert slow["tokens_per_sec_per_gpu"] < fast["tokens_per_sec_per_gpu"]
+        assert slow["breakdown"]["exposed_comm"]["tp"] > fast["breakdown"]["exposed_comm"]["tp"]
+        assert slow["links"]["tp"]["across_nodes"] and not fast["links"]["tp"]["across_nodes"]
+
+
+def test_free_communication_leaves_compute_memory_and_bubbles():
+    free = spec(nvlink_bandwidth=math.inf, network_bandwidth=math.inf, nvlink_latency_s=0.0,
+                network_latency_s=0.0, collective_base_latency_s=0.0)
+    for rid in ROWS:
+        p = predict(cfg_of(rid), free, memory=NO_MEM)
+        b = p["breakdown"]
+        assert sum(b["exposed_comm"].values()) == pytest.approx(0.0, abs=1e-12), rid
+        parts = b["compute"] + b["memory_bound"] + b["recompute"] + b["bubble"] + b["optimizer"]
+        assert p["step_time_s"] == pytest.approx(parts, rel=1e-9), rid
+        assert p["tokens_per_sec_per_gpu"] >= tps(rid) * (1 - 1e-9)
+
+
+def test_interleaving_shrinks_the_bubble_not_the_work():
+    a = predict(cfg_of("llama3_405b/table3/512gpu_3d_1f1b"), PAPER, memory=NO_MEM)["breakdown"]
+    b = predict(cfg_of("llama3_405b/table3/512gpu_3d_interleaved_1f1b"), PAPER, memory=NO_MEM)["breakdown"]
+    assert b["compute"] == pytest.approx(a["compute"], rel=1e-9)
+    assert b["bubble"] < 0.7 * a["bubble"]
+
+
+def test_breakdown_adds_up_to_the_step():
+    for rid in ROWS:
+        p = predict(cfg_of(rid), PAPER, memory=NO_MEM)
+        b = p["breakdown"]
+        total = (b["compute"] + b["memory_bound"] + b["recompute"] + b["bubble"] + b["optimizer"]
+                 + sum(b["exposed_comm"].values()))
+        assert p["step_time_s"] == pytest.approx(total, rel=1e-6), rid
+        assert all(v >= 0 for k, v in b.items() if k != "exposed_comm")
+
+
+# ------------------------------------------------------------------------------------ GPU specs
+def test_every_spec_loads_and_unknown_names_are_listed():
+    known = G.known_gpus()
+    assert {"h100_96gb_hbm2e_500w", "h100_sxm_80gb", "h200_141gb"} <= set(known)
+    for name in known:
+        assert G.load_spec(name).name == name
+    with pytest.raises(G.SpecError) as e:
+        G.load_spec("a100_nope")
+    assert all(n in str(e.value) for n in known)
+
+
+def _paper_toml() -> dict:
+    from importlib import resources
+
+    import tomllib
+    return tomllib.loads((resources.files("core.dryrun") / "hardware" / f"{PAPER}.toml").read_text())
+
+
+@pytest.mark.parametrize("section,field,value", [
+    ("links", "gpus_per_node", None), ("compute", "peak_bf16_flops", 0), ("memory", "hbm_bandwidth", -1.0),
+    ("efficiency", "nccl_rdma", 1.5), ("links", "network_latency_s", "fast")])
+def test_bad_spec_is_refused_naming_the_field(section, field, value):
+    data = _paper_toml()
+    if value is None:
+        del data[section][field]
+    else:
+        data[section][field] = value
+    with pytest.raises(G.SpecError, match=f"{section}.{field}"):
+        G.parse_spec(data, "bad.toml")
+
+
+def test_run_refuses_unknown_gpu_before_running(tmp_path):
+    from click.testing import CliRunner
+
+    from recipes.cli import main
+    res = CliRunner().invoke(main, ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "dry-run", "--gpu", "b300",
+                                    "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0
+    assert "h100_sxm_80gb" in res.output and not (tmp_path / "x").exists()
+
+
+def test_dry_run_record_has_the_prediction():
+    from core.dryrun.record import dry_run
+    rec = dry_run(cfg_of("llama3_8b/table1/8gpu_fsdp"), fake=False, gpu="h200_141gb")
+    p = rec["predicted"]
+    assert p["gpu"] == "h200_141gb" and p["tokens_per_sec_per_gpu"] > 0 and p["step_time_s"] > 0
+    assert set(p["breakdown"]) >= {"compute", "memory_bound", "recompute", "bubble", "optimizer", "exposed_comm"}
+    # faster HBM than the paper's 500 W part: faster
+    assert p["tokens_per_sec_per_gpu"] > tps("llama3_8b/table1/8gpu_fsdp")
+
+
+# ----------------------------------------------------------------------------------------- speed
+def test_all_rows_predicted_fast():
+    t0 = time.perf_counter()
+    for rid in ROWS:
+        predict(cfg_of(rid), PAPER)  # with the memory accounting, as the record does
+    assert time.perf_counter() - t0 < 120
+
+
+def test_plan_ranks_100_candidates_by_speed_fast():
+    from recipes.plan import candidates
+    t0 = time.perf_counter()
+    n = 0
+    for model, gpus, seq, lb in (("405B", 512, 8192, 32), ("70B", 256, 8192, 16), ("8B", 64, 8192, 2)):
+        ranked = candidates(model, gpus, seq, 95.0, lb, by_speed=True)
+        n += len(ranked)
+        fitting = [c for c in ranked if c.fits and not c.violations]
+        assert all(a.tps >= b.tps * (1 - 0.03) for a, b in itertools.pairwise(fitting))
+    took = time.perf_counter() - t0
+    print(f"\nplan: {n} candidates ranked by speed in {took:.1f} s")
+    assert n >= 100 and took < 30
+
+
+def test_plan_json(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from recipes.cli import main
+    res = CliRunner().invoke(main, ["plan", "--model", "70B", "--gpus", "64", "--global-batch", "64",
+                                    "--gpu", "h100_sxm_80gb", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    ranked = json.loads(res.output)
+    assert ranked and all(r["gpu"] == "h100_sxm_80gb" for r in ranked)
+    fit = [r for r in ranked if r["fits"] and not r["violations"]]
+    assert fit[0]["tokens_per_sec_per_gpu"] >= 0.97 * max(r["tokens_per_sec_per_gpu"] for r in fit)
+
+
+# ------------------------------------------------------------------------------ FLOP count check
+def test_flop_counter_agrees_with_the_analytic_count():
+    """torch's FlopCounterMode around the fake step (a small FSDP layout on a fake process group)
+    counts the same matmul and attention FLOPs as the model. On CPU SDPA runs as
+    `_scaled_dot_product_flash_attention_for_cpu`, which the counter has no formula for: we give
+    it torch's own SDPA formulas (forward and backward), nothing of ours."""
+    import torch
+    from torch.utils.flop_counter import (
+        FlopCounterMode,
+        register_flop_formula,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+    )
+
+    from core.config import load_config, validate
+    from core.dryrun import fake_step as F
+    from core.dryrun.runtime import analytic_flops
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    from torch.utils.flop_counter import flop_registry
+    if fwd_op not in flop_registry:
+        register_flop_formula(fwd_op, get_raw=True)(lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape))
+        register_flop_formula(bwd_op, get_raw=True)(
+            lambda go, q, k, v, *a, **kw: sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape))
+    base = ['model.flavor="tiny4"', "training.seq_len=512", "training.local_batch_size=2",
+            'training.mixed_precision_param="bfloat16"', 'training.mixed_precision_reduce="float32"',
+            'data.dataset="synthetic"', 'job.mode="dry-run"', "parallelism.dp_shard=2"]
+    cfg = validate(load_config(overrides=base), world_size=2, check_files=False)
+    with FlopCounterMode(display=False) as fc:
+        F.fake_step(cfg, track=False, isolate=False)
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    ours = analytic_flops(cfg)
+    assert counts["aten.mm"] == ours["matmul"]
+    attn = sum(v for k, v in counts.items() if "scaled_dot_product" in k)
+    assert attn == ours["attention"] and fc.get_total_flops() == ours["total"]
+
+
+# ----------------------------------------------------------------------------------------- goals
+PCT_GOAL, ROWS_GOAL = 15.0, 15
+
+
+def _effects() -> list[dict]:
+    from recipes.dryrun_table import published_effects
+    ref = {r.id: r.reference["paper_tps_per_gpu"] for r in registry.all_recipes() if r.reference.get("paper_tps_per_gpu")}
+    return published_effects({rid: tps(rid) for rid in ref}, ref)
+
+
+def test_goals_against_the_paper():
+    """Reports every goal; asserts those the model meets today (a regression fails the test)."""
+    rows = [(r.id, r.reference["paper_tps_per_gpu"], tps(r.id)) for r in registry.all_recipes()
+            if r.reference.get("paper_tps_per_gpu")]
+    within = [rid for rid, paper, ours in rows if abs(ours - paper) / paper * 100 <= PCT_GOAL]
+    print(f"\npredicted TPS/GPU within {PCT_GOAL:.0f}%: {len(within)} of {len(rows)} (goal {ROWS_GOAL})")
+    for rid, paper, ours in rows:
+        print(f"  {rid:55s} paper {paper:6.0f}  predicted {ours:7.1f}  {(ours - paper) / paper * 100:+6.1f}%")
+    met = {}
+    effects = _effects()
+    assert len(effects) == 12
+    for e in effects:
+        met[e["effect"]] = e["met"]
+        print(f"  {e['effect']:60s} paper {e['paper']:6.1f}  predicted {e['predicted']:6.1f}  "
+              f"{'met' if e['met'] else 'MISSED'}")
+    # What the model meets today (see the report for the misses and why).
+    assert len(within) >= MET_ROWS
+    for name in MET_EFFECTS:
+        assert met[name], name
+
+
+MET_ROWS = 14
+MET_EFFECTS = (
+    "compile, Table 1 at 8 GPUs (gain %)",
+    "compile, Table 1 at 128 GPUs (gain %)",
+    "Float8, Table 1 at 8 GPUs (gain % over FSDP)",
+    "AsyncTP, Table 2 (gain %)",
+    "Interleaved 1F1B over 1F1B, Table 3 (gain %)",
+    "Table 4 CP doubling to 2 (TPS ratio x 100)",
+    "Table 4 CP doubling to 8 (TPS ratio x 100)",
+    "Table 5 CP doubling to 2 (TPS ratio x 100)",  # by a hair: 71.8 vs 61.8
+    "Table 5 CP doubling to 4 (TPS ratio x 100)",
+    "Table 5 CP doubling to 8 (TPS ratio x 100)",
+)
+
+
+def test_calibrated_constants_are_what_the_named_rows_give():
+    """The paper spec's two calibrated constants are reproducible from their named rows; the rows
+    are named in the prediction's calibration note; the other specs calibrate nothing."""
+    from core.dryrun import calibrate
+    rows = {k: (cfg_of(rid), registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
+    fitted = calibrate.fit(rows)
+    stored = G.load_spec(PAPER)
+    assert len(calibrate.ROWS) <= 2 and len(set(calibrate.ROWS.values())) <= 2
+    for key, value in fitted.items():
+        assert getattr(stored, key) == pytest.approx(value, abs=0.002), key
+    note = predict(cfg_of(ROWS[0]), PAPER, memory=NO_MEM)["calibration"]
+    assert all(rid in note for rid in calibrate.ROWS.values())
+    for name in ("h100_sxm_80gb", "h200_141gb"):
+        assert G.load_spec(name).clock_fraction == 1.0 and not G.load_spec(name).calibration
