@@ -5,12 +5,13 @@ Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cit
 Two are not published for the paper's system, so each is fitted on one named row and nothing
 else (the values are then written into h100_96gb_hbm2e_500w.toml by hand, with this note):
 
-- compute.clock_fraction: the sustained clock of the 500 W part as a fraction of the 700 W part's
-  boost clock; fitted on Table 1, FSDP, 8 GPUs (llama3_8b/table1/8gpu_fsdp), where no
-  communication is exposed and attention is a small share: the row measures sustained compute.
+- compute.clock_fraction: the sustained clock of the 500 W part as a fraction of the 700 W
+  part's boost clock; fitted on Table 1, FSDP + compile, 8 GPUs (llama3_8b/table1/8gpu_fsdp_compile),
+  the row where the paper (6,674) and its Dec 2024 re-run (6,667) agree and no communication is
+  exposed: the row measures sustained compute.
 - efficiency.flash_attention_bwd: flash attention's backward fraction of peak; fitted on Table 4,
-  CP 8 at 256K tokens (long_context/table4/8b_fsdp1_cp8_256k), where attention is most of the
-  step. The forward keeps its cited value.
+  FSDP 8, CP 1 at 32K tokens (long_context/table4/8b_fsdp8_cp1_32k), where attention is about half
+  the step and CP adds no communication. The forward keeps its cited value.
 """
 from __future__ import annotations
 
