@@ -16,6 +16,7 @@ from typing import Any
 import tomllib
 
 from core.errors import ConfigError
+from core.models.args import FLAVORS
 from core.parallel.stages import PP_SCHEDULES, check_pipeline
 
 
@@ -31,7 +32,7 @@ class Job:
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # a key of core.models.llama3.FLAVORS
+    flavor: str = "debug"  # a key of core.models.args.FLAVORS
     vocab_size: int = 0  # 0: take the tokenizer's n_words (proxy flavors); real flavors keep 128256
     rope_scaling: str = "default"  # default (the flavor's) | on | off
 
@@ -330,8 +331,6 @@ def _validate_toggles(cfg: JobConfig) -> None:
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
     """Every check that needs no process group. Raises ConfigError naming the key."""
-    from core.models.llama3 import FLAVORS  # local: config is importable without torch models
-
     t, p = cfg.training, cfg.parallelism
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor: {cfg.model.flavor!r} is not one of: {', '.join(FLAVORS)}")

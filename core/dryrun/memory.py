@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from core.models.args import model_args
 from core.parallel.stages import plan_stages, pp_microbatches, stage_ids_for_rank, stages_per_rank
 
 GIB = 2 ** 30
@@ -57,7 +58,6 @@ class Shapes:
 
 
 def _args(cfg):
-    from core.train import model_args
     return model_args(cfg, None)
 
 
