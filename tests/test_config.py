@@ -76,7 +76,8 @@ BAD = [
     (["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=0"],
      "activation_checkpoint.selective_ac_option"),
     (["float8.recipe=e5m2"], "float8.recipe"),
-    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"], "parallelism.tp"),
+    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"],
+     "parallelism.tp"),
     (["parallelism.tp=16", "model.flavor=debug", "parallelism.dp_shard=1"], "parallelism.tp"),  # 8 kv heads
     (["parallelism.pp=4", "model.flavor=tiny", "parallelism.dp_shard=1"], "parallelism.pp"),  # 2 layers
     (["parallelism.pp=2", "parallelism.pp_microbatches=1", "model.flavor=tiny4",
