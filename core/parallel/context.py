@@ -13,7 +13,7 @@ averages gradients over dp_shard x cp, so no extra scaling is needed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -70,7 +70,8 @@ SEQ_DIM = 2  # q, k, v are (batch, heads, seq, head_dim) inside SDPA
 
 def _ring_cpu_flash(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                     scale=None):
-    from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+    from torch.distributed.tensor.experimental._context_parallel._attention import \
+        _templated_ring_attention
     if attn_mask is not None:
         raise NotImplementedError("context parallel supports causal attention without a mask")
     return _templated_ring_attention(
@@ -80,7 +81,8 @@ def _ring_cpu_flash(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, 
 
 def _ring_cpu_flash_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
                              *, attn_mask=None, scale=None):
-    from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention_backward
+    from torch.distributed.tensor.experimental._context_parallel._attention import \
+        _templated_ring_attention_backward
     if attn_mask is not None:
         raise NotImplementedError("context parallel supports causal attention without a mask")
     return _templated_ring_attention_backward(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch.nn as nn
 
 from core.config import JobConfig
 from core.parallel.mesh import ParallelDims, WorldMesh
