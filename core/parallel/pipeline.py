@@ -7,7 +7,8 @@ checkpoints line up across layouts. Each stage module then gets the same treatme
 model (`parallelize`: TP -> float8 -> AC -> compile -> FSDP2) and becomes a `PipelineStage`.
 Stages are placed on pp ranks round-robin ("loop": rank r holds r, r + pp, ...) or, for the
 V-shaped schedules (ZBVZeroBubble, DualPipeV), as a V (rank r holds r and 2 pp - 1 - r), as
-the library's own stage-to-rank mapping expects.
+the library's own stage-to-rank mapping expects. That arithmetic (split, placement, microbatches)
+lives in `core.parallel.stages`, without torch, where the config's checks and the dry-run read it.
 
 Gradient scale: the loss function returns each microbatch's mean loss (divided by the gradient
 accumulation steps) and the schedule divides the accumulated gradients by the microbatch count
