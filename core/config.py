@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import typing
@@ -226,8 +227,9 @@ def field_docs() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------- loading
+_hints = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
 def _section_class(name: str):
-    hints = typing.get_type_hints(JobConfig)
+    hints = _hints(JobConfig)
     return hints[name]
 
 
@@ -268,7 +270,7 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], source: str = "config") -> 
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a table of keys in {source}, got {values!r}")
         obj = getattr(cfg, section)
-        hints = typing.get_type_hints(type(obj))
+        hints = _hints(type(obj))
         for key, value in values.items():
             if key not in hints:
                 raise ConfigError(
@@ -337,7 +339,7 @@ def check_choices(cfg: JobConfig) -> None:
     """Every `Literal[...]`-typed field against its annotation, in the config's field order."""
     for section in dataclasses.fields(JobConfig):
         obj = getattr(cfg, section.name)
-        for key, typ in typing.get_type_hints(type(obj)).items():
+        for key, typ in _hints(type(obj)).items():
             if typing.get_origin(typ) is Literal:
                 _one_of(f"{section.name}.{key}", getattr(obj, key), typing.get_args(typ))
 
