@@ -2,6 +2,8 @@
 
 Every check that can be made before a process is spawned is made here, and each failure is a
 one-line `ConfigError` naming the key. No `eval`: override values are parsed as TOML literals.
+Enum-like fields are `Literal[...]` types, checked from the annotation (`check_choices`); every
+field carries a one-line doc (`field_docs()`). `validate()` returns a checked copy.
 """
 from __future__ import annotations
 
