@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import time
 from pathlib import Path
 
 import torch
 
-from core.models.llama3 import ModelArgs, count_params
+from core.models.args import ModelArgs, param_count
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
@@ -27,7 +28,7 @@ PEAK_FLOPS = {
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    n = count_params(args)
+    n = param_count(args)
     n_emb = args.vocab_size * args.dim
     head_dim = args.dim // args.n_heads
     return 6 * (n - n_emb) + 12 * args.n_layers * args.n_heads * head_dim * seq_len
@@ -72,7 +73,6 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
-    import platform
     return {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
             "peak_flops": None, "peak_source": "measured bf16 matmul"}
 
@@ -93,10 +93,10 @@ class MetricsLogger:
         self.tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(out_dir / "metrics.jsonl", "a")
+            self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 -- open for the run, closed by close()
             if enable_tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter
+                    from torch.utils.tensorboard import SummaryWriter  # local: optional dependency
                     self.tb = SummaryWriter(str(out_dir / "tb"))
                 except ImportError:
                     print("[metrics] tensorboard is not installed: logging to JSONL only", flush=True)

@@ -391,7 +391,7 @@ def run(cfg: JobConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
-        validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+        cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
         from core.optim.hardware import check_hardware
         check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
     except ConfigError as e:

@@ -210,7 +210,7 @@ def run_pipeline_rank(tr, tokens, labels) -> None:
     delivers; activations from and gradients to neighbouring stages are fake tensors of the
     shapes those stages produce."""
     import torch
-    from core.config import pp_microbatches, stages_per_rank
+    from core.parallel.stages import pp_microbatches, stages_per_rank
     from core.parallel.pipeline import pipeline_order
     cfg, dims = tr.cfg, tr.dims
     p = cfg.parallelism

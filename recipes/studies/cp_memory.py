@@ -36,7 +36,7 @@ def _overrides(cp: int, seq: int, flavor: str) -> list[str]:
 
 def _worker(out: str, overrides: list[str]) -> int:
     cfg = load_config(None, overrides)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), check_files=False)
+    cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), check_files=False)
     init_distributed(cfg)
     try:
         trainer = Trainer(cfg)

@@ -22,9 +22,8 @@ from core.train import init_distributed, run
 
 def main(spec: str) -> int:
     jobs = json.loads(Path(spec).read_text())
-    cfgs = [load_config(None, job["overrides"]) for job in jobs]
-    for cfg in cfgs:
-        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), check_files=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfgs = [validate(load_config(None, job["overrides"]), world, check_files=False) for job in jobs]
     init_distributed(cfgs[0])
     try:
         for cfg in cfgs:

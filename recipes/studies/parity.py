@@ -179,7 +179,7 @@ def reference(layout: Layout, dtype: str) -> dict:
     key = (layout.flavor, dtype, mode)
     if key not in _REFERENCE_CACHE:
         cfg = load_config(None, Layout("ref", flavor=layout.flavor).overrides(dtype))
-        validate(cfg, 1, check_files=False)
+        cfg = validate(cfg, 1, check_files=False)
         _REFERENCE_CACHE[key] = reference_run(cfg, bf16=mode if dtype == "bf16" else "autocast")
     return _REFERENCE_CACHE[key]
 
