@@ -387,7 +387,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         acc.comm_add(fsdp_label, fb - busy)
         bubble, pp_exposed, params_local = 0.0, 0.0, sp.total
     else:
-        from core.config import stages_per_rank
+        from core.parallel.stages import stages_per_rank
         n_micro = M.microbatches(cfg)
         table = _order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, a.n_layers))
         sps = {sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
