@@ -262,8 +262,8 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
     for col in ("GPUs", "ours world", "ours steps"):
         if col in df:
             df[col] = df[col].astype("Int64")
-    for col in [c for c in df.columns if c.endswith(("gain %", "error %"))]:
-        df[col] = df[col].astype(float).round(2)
+    for col in [c for c in df.columns if c.endswith(("gain %", "error %"))]:  # errors as shown: no double rounding
+        df[col] = df[col].astype(float).round(2 if col.endswith("gain %") else 1)
     return df
 
 
@@ -335,7 +335,7 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
         lines.append("- **calibration**: " + "; ".join(notes) + ". "
                      + (f"Calibration row here (†): {'; '.join(cal)}; every other row is a prediction."
                         if cal else "No row of this table was used: every figure here is a prediction."))
-        unfit = [row for row, fits in zip(df["row"], df["predicted fits GPU"]) if fits is False]
+        unfit = list(df.loc[df["predicted fits GPU"].eq(False).fillna(False).astype(bool), "row"])
         if unfit:
             lines.append(f"- **does not fit its GPU** (predicted anyway): {'; '.join(unfit)}")
     else:
