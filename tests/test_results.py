@@ -3,11 +3,14 @@ only; the results index links what exists. No processes: records are written by 
 from __future__ import annotations
 
 import json
+import re
 import struct
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
 from recipes import figures, registry, results
 
 pytestmark = pytest.mark.dryrun
@@ -256,3 +259,19 @@ def test_breakdown_parts_stack_in_order_and_keep_unknown_keys():
     assert list(parts) == ["compute", "memory-bound", "recompute", "exposed comm: TP",
                            "exposed comm: FSDP (shard x CP)", "exposed comm: zz", "new thing", "PP bubble", "optimizer"]
     assert sum(parts.values()) == pytest.approx(9.36)
+
+
+def test_readme_names_the_calibration_the_spec_states():
+    """README's paragraph on predicted throughput stays true: the default spec, the other specs,
+    and each calibrated constant with its row as the spec file's calibration note says."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    note = load_spec(DEFAULT_GPU).calibration
+    pairs = re.findall(r"([\w.]+) on ([\w./-]+)", note)
+    assert len(pairs) == 2
+    for const, row in pairs:
+        registry.get(row)  # a real row
+        assert f"`{const}`, on `{row}`" in section, (const, row)
+        assert results.calibrated_constants(note, row) == [const]
+    for gpu in known_gpus():
+        assert f"`{gpu}`" in section, gpu
