@@ -341,8 +341,8 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
     else:
         lines.append("- **predicted**: no dry-run record with a prediction (`run-recipe run ID --mode dry-run`).")
     if "gain of" in df and any(r.baseline for r in recipes):
-        lines.append("- **gains** over the row's baseline, of: "
-                     + "; ".join(f"{row}: {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str)))
+        lines.append("- **gains** over the row's baseline: "
+                     + "; ".join(f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str)))
     elif "gain of" in df:
         lines.append("- **gains**: each row over the previous one (`gain of` in the CSV says what changes)")
     prov = [", ".join(x for x in t if isinstance(x, str) and x)
