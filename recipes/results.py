@@ -2,9 +2,11 @@
 
 Records live in `<records_dir>/<mode>/<id__>.json` (mode: real, proxy, dry-run), one per recipe
 and mode, the latest run's. Each table gets `<table>.md` and `<table>.csv`: one line per paper
-row, the paper (and bench-2412) figures from the recipe files beside ours from the records.
-A cell with no record is empty. `README.md` indexes the tables, the other results files
-(benchmarks, loss parity, dry-run, ...) when present, and says how each number was made.
+row, the paper (and bench-2412) figures from the recipe files beside the dry-run's prediction
+and memory and our proxy's (or real) figures. The CSV has every column; the .md a compact table,
+the provenance under it and the figure (`<table>.png`, recipes/figures.py). A cell with no record
+is empty. `README.md` indexes the tables, the other results files when present, and says how
+each number was made.
 
 The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
 (step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
