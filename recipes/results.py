@@ -2,9 +2,11 @@
 
 Records live in `<records_dir>/<mode>/<id__>.json` (mode: real, proxy, dry-run), one per recipe
 and mode, the latest run's. Each table gets `<table>.md` and `<table>.csv`: one line per paper
-row, the paper (and bench-2412) figures from the recipe files beside ours from the records.
-A cell with no record is empty. `README.md` indexes the tables, the other results files
-(benchmarks, loss parity, dry-run, ...) when present, and says how each number was made.
+row, the paper (and bench-2412) figures from the recipe files beside the dry-run's prediction
+and memory and our proxy's (or real) figures. The CSV has every column; the .md a compact table,
+the provenance under it and the figure (`<table>.png`, recipes/figures.py). A cell with no record
+is empty. `README.md` indexes the tables, the other results files when present, and says how
+each number was made.
 
 The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
 (step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
@@ -13,14 +15,16 @@ The loss-convergence table is the exception in naming: `loss_convergence.csv` ho
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from recipes import loss_curves, registry
+from recipes import figures, loss_curves, registry
 from recipes.launcher import relative
 from recipes.schema import TABLES, Recipe
 
@@ -84,16 +88,12 @@ def _num(value: Any) -> float | None:
 
 
 def _ours(records: dict, rid: str) -> dict | None:
-    for mode in OURS_MODES:
-        if (rid, mode) in records:
-            return records[(rid, mode)]
-    return None
+    return next((records[(rid, mode)] for mode in OURS_MODES if (rid, mode) in records), None)
 
 
 def _gain(value: float | None, base: float | None) -> float | None:
-    if value is None or not base:
-        return None
-    return 100.0 * (value / base - 1.0)
+    """value over base in % (also each error vs the paper); None without both."""
+    return None if value is None or not base else 100.0 * (value / base - 1.0)
 
 
 def _float8_applied(rec: dict) -> bool:
@@ -114,23 +114,34 @@ def _max_loss_delta(rec: dict, base: dict) -> float | None:
 
 
 def _dry_mem(rec: dict | None) -> float | None:
-    if rec is None:
-        return None
-    for key in ("estimated_peak_gib", "estimated_peak_memory_gib", "peak_memory_gib"):
-        if _num(rec.get(key)) is not None:
-            return _num(rec.get(key))
-    return None
+    keys = ("estimated_peak_gib", "estimated_peak_memory_gib", "peak_memory_gib")
+    return next((_num(rec[k]) for k in keys if _num(rec.get(k)) is not None), None) if rec else None
 
 
 TECHNIQUE_NAMES = {"compile": "compile", "float8": "Float8", "async_tp": "AsyncTP", "fsdp": "FSDP",
                    "tp": "TP", "cp": "CP"}
+DIM_NAMES = {"cp": "CP", "dp_shard": "FSDP", "dp_replicate": "HSDP", "tp": "TP", "pp": "PP"}
 
 
-def gain_of(recipe: Recipe) -> str | None:
+def comparisons(recipes: list[Recipe]) -> dict[str, str]:
+    """{row id: the id its gains are over}: the row's baseline; in a table without baselines (the
+    long-context tables) the previous row, so each CP doubling shows its throughput ratio."""
+    if any(r.baseline for r in recipes):
+        return {r.id: r.baseline for r in recipes if r.baseline}
+    return {b.id: a.id for a, b in itertools.pairwise(recipes)}
+
+
+def gain_of(recipe: Recipe, base_id: str | None = None) -> str | None:
     """What a row adds over its baseline, from the techniques lists: `compile + Float8`,
-    `AsyncTP`, `Interleaved1F1B (vs 1F1B)`."""
+    `AsyncTP`, `Interleaved1F1B (vs 1F1B)`; over a previous row (base_id), the parallel degrees
+    that change: `CP 2, FSDP 4 (vs CP 1, FSDP 8)`."""
     if not recipe.baseline:
-        return None
+        if not base_id:
+            return None
+        new, old = recipe.degrees("real"), registry.get(base_id).degrees("real")
+        dims = [d for d in DIM_NAMES if new.get(d) != old.get(d)]
+        return (", ".join(f"{DIM_NAMES[d]} {new[d]}" for d in dims)
+                + " (vs " + ", ".join(f"{DIM_NAMES[d]} {old[d]}" for d in dims) + ")") if dims else None
     base = registry.get(recipe.baseline).techniques
     added = [t for t in recipe.techniques if t not in base]
     names = []
@@ -141,6 +152,18 @@ def gain_of(recipe: Recipe) -> str | None:
         else:
             names.append(TECHNIQUE_NAMES.get(t, t))
     return " + ".join(names) or None
+
+
+def _predicted(rec: dict | None) -> dict:
+    """The performance model's part of a dry-run record ({} when it has none)."""
+    p = (rec or {}).get("predicted")
+    return p if isinstance(p, dict) else {}
+
+
+def calibrated_constants(note: str | None, rid: str) -> list[str]:
+    """The constants a record's calibration note (`<constant> on <recipe id>, ...`) says were
+    fitted on the row rid."""
+    return [const for const, row in re.findall(r"([\w.]+) on ([\w./-]+)", note or "") if row == rid]
 
 
 def versions_text(rec: dict) -> str:
@@ -168,19 +191,20 @@ def table_csv_name(table: str) -> str:
 def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) -> pd.DataFrame:
     """The table as numbers (None where there is nothing): the CSV's content."""
     recipes = recipes if recipes is not None else registry.by_table(table)
-    has_baseline = any(r.baseline for r in recipes)
     loss_table = table == "loss_convergence"
+    bases = comparisons(recipes)
+    has_baseline = bool(bases)
     has_bench = any("bench_tps_per_gpu" in r.reference or "bench_mem_gib" in r.reference
                     for r in recipes)
     has_pp = any(r.degrees("real")["pp"] > 1 for r in recipes)
     rows = []
     for r in recipes:
         ref, ours, dry = r.reference, _ours(records, r.id), records.get((r.id, "dry-run"))
-        base_ref = None
-        base_ours = None
-        if r.baseline:
-            base_ref = registry.get(r.baseline).reference
-            base_ours = records.get((r.baseline, ours["mode"])) if ours else None
+        base_id = bases.get(r.id)
+        base_ref = base_ours = None
+        if base_id:
+            base_ref = registry.get(base_id).reference
+            base_ours = records.get((base_id, ours["mode"])) if ours else None
         row: dict[str, Any] = {"row": r.row, "GPUs": r.gpus}
         if not loss_table:
             row["paper TPS/GPU"] = _num(ref.get("paper_tps_per_gpu"))
@@ -189,7 +213,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
                 row["bench-2412 TPS/GPU"] = _num(ref.get("bench_tps_per_gpu"))
                 row["bench-2412 mem GiB"] = _num(ref.get("bench_mem_gib"))
             if has_baseline:
-                row["gain of"] = gain_of(r)
+                row["gain of"] = gain_of(r, base_id)
                 row["paper gain %"] = _gain(_num(ref.get("paper_tps_per_gpu")),
                                             _num(base_ref.get("paper_tps_per_gpu")) if base_ref else None)
         tps = _num(ours.get("tokens_per_sec_per_device")) if ours else None
@@ -210,20 +234,38 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
                                               if ours and base_ours else None)
         elif has_baseline:
             base_tps = _num(base_ours.get("tokens_per_sec_per_device")) if base_ours else None
-            row["ours gain %"] = _gain(tps, base_tps) if r.baseline else None
+            row["ours gain %"] = _gain(tps, base_tps) if base_id else None
         if has_pp:
             bubble = _num(ours.get("pp_bubble_fraction")) if ours else None
             row["ours PP bubble %"] = 100.0 * bubble if bubble is not None else None
         row["ours notes"] = (toggle_notes(ours) or None) if ours else None
         row["dry-run est. mem GiB"] = _dry_mem(dry)
         row["recipe"] = r.id
+        # the performance model's columns: after today's, so every reader of those keeps working
+        pred = _predicted(dry)
+        tps_pred = _num(pred.get("tokens_per_sec_per_gpu"))
+        row["predicted TPS/GPU"] = tps_pred
+        if not loss_table:
+            row["predicted TPS error %"] = _gain(tps_pred, _num(ref.get("paper_tps_per_gpu")))
+            if has_baseline:
+                base_pred = _num(_predicted(records.get((base_id, "dry-run"))).get("tokens_per_sec_per_gpu"))
+                row["predicted gain %"] = _gain(tps_pred, base_pred) if base_id else None
+            row["dry-run mem error %"] = _gain(_dry_mem(dry), _num(ref.get("paper_mem_gib")))
+        mfu_pred = _num(pred.get("mfu"))
+        row["predicted MFU %"] = round(100.0 * mfu_pred, 2) if mfu_pred is not None else None
+        row["predicted step s"] = _num(pred.get("step_time_s"))
+        row["predicted GPU"] = pred.get("gpu")
+        row["predicted fits GPU"] = pred.get("fits")
+        row["calibrated on"] = ", ".join(calibrated_constants(pred.get("calibration"), r.id)) or None
         rows.append(row)
     df = pd.DataFrame(rows)
+    if "predicted fits GPU" in df:
+        df["predicted fits GPU"] = df["predicted fits GPU"].astype("boolean")
     for col in ("GPUs", "ours world", "ours steps"):
         if col in df:
             df[col] = df[col].astype("Int64")
-    for col in [c for c in df.columns if c.endswith("gain %")]:
-        df[col] = df[col].astype(float).round(2)
+    for col in [c for c in df.columns if c.endswith(("gain %", "error %"))]:  # errors as shown: no double rounding
+        df[col] = df[col].astype(float).round(2 if col.endswith("gain %") else 1)
     return df
 
 
@@ -232,11 +274,13 @@ def _fmt_cell(col: str, value: Any, approx: bool = False) -> str:
         return ""
     if col.endswith("gain %"):
         return f"{value:+.2f}%"
+    if col.endswith("error %"):
+        return f"{value:+.1f}%"
     if "TPS" in col:
         return f"{value:,.0f}" if value >= 100 else f"{value:,.3g}"
     if "mem GiB" in col:
         return ("~" if approx else "") + f"{value:.1f}" if value >= 1 else f"{value:.3f}"
-    if col in ("ours MFU %", "ours PP bubble %"):
+    if col in ("ours MFU %", "ours PP bubble %", "predicted MFU %"):
         return f"{value:.1f}"
     if "loss" in col:
         return f"{value:.4f}" if "Δ" not in col else f"{value:.2e}"
@@ -245,13 +289,72 @@ def _fmt_cell(col: str, value: Any, approx: bool = False) -> str:
     return str(value)
 
 
-def to_markdown(df: pd.DataFrame, recipes: list[Recipe]) -> str:
+# The compact table of a paper table (its .md): these columns of the frame, renamed for the eye.
+COMPACT = {"row": "row", "paper TPS/GPU": "paper TPS/GPU", "predicted TPS/GPU": "predicted TPS/GPU",
+           "predicted TPS error %": "TPS error %", "paper gain %": "paper gain %",
+           "predicted gain %": "predicted gain %", "paper mem GiB": "paper mem GiB",
+           "dry-run est. mem GiB": "dry-run mem GiB", "dry-run mem error %": "mem error %",
+           "ours TPS/device": "ours TPS/device", "ours gain %": "ours gain %"}
+
+
+def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) -> str:
+    """Every column of the frame, or (compact) the about ten of COMPACT a person can read, the
+    rest being in the CSV and the list under the table; a calibration row's prediction gets †."""
     approx = {r.id: bool(r.reference.get("paper_mem_approx")) for r in recipes}
-    shown = df.copy().astype(object)
-    for col in shown.columns:
-        shown[col] = [_fmt_cell(col, v, approx.get(rid, False) and col == "paper mem GiB")
-                      for v, rid in zip(df[col], df["recipe"])]
-    return shown.to_markdown(index=False, disable_numparse=True)
+    cols = [c for c in (COMPACT if compact else df.columns) if c in df.columns]
+    shown = pd.DataFrame({c: [_fmt_cell(c, v, approx.get(rid, False) and c == "paper mem GiB")
+                              for v, rid in zip(df[c], df["recipe"])] for c in cols})
+    if compact and "predicted TPS/GPU" in cols:
+        shown["predicted TPS/GPU"] = [f"{v} †" if v and isinstance(cal, str) else v
+                                      for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"])]
+    return shown.rename(columns=COMPACT if compact else {}).to_markdown(
+        index=False, disable_numparse=True, colalign=["left"] + ["right" if compact else "left"] * (len(cols) - 1))
+
+
+def _rows_by(labels, values) -> list[str]:
+    """`(the rows, or all rows): value` for each non-empty value, first seen first."""
+    out: dict[str, list[str]] = {}
+    for row, value in zip(labels, values):
+        if isinstance(value, str) and value:
+            out.setdefault(value, []).append(row)
+    return [f"({'all rows' if len(rows) == len(labels) else '; '.join(rows)}): {v}" for v, rows in out.items()]
+
+
+def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig: str | None) -> list[str]:
+    """The short list under a compact table: the GPU spec and calibration of the predictions,
+    the mode, hardware, versions and notes of our records, the recipe ids and the figure."""
+    n = len(df)
+    preds = [_predicted(records.get((rid, "dry-run"))) for rid in df["recipe"]]
+    gpus = sorted({p["gpu"] for p in preds if p.get("gpu")})
+    notes = sorted({p["calibration"] for p in preds if p.get("calibration")})
+    n_pred = int(df["predicted TPS/GPU"].notna().sum())
+    lines = []
+    if n_pred:
+        lines.append(f"- **predicted** ({n_pred} of {n} rows): the performance model (`core/dryrun/runtime.py`) "
+                     f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
+                     "each row's dry-run record; `TPS error %` and `mem error %` are against the paper.")
+        cal = [f"{row} ({const})" for row, const in zip(df["row"], df["calibrated on"]) if isinstance(const, str)]
+        lines.append("- **calibration**: " + "; ".join(notes) + ". "
+                     + (f"Calibration row here (†): {'; '.join(cal)}; every other row is a prediction."
+                        if cal else "No row of this table was used: every figure here is a prediction."))
+        unfit = list(df.loc[df["predicted fits GPU"].eq(False).fillna(False).astype(bool), "row"])
+        if unfit:
+            lines.append(f"- **does not fit its GPU** (predicted anyway): {'; '.join(unfit)}")
+    else:
+        lines.append("- **predicted**: no dry-run record with a prediction (`run-recipe run ID --mode dry-run`).")
+    if "gain of" in df and any(r.baseline for r in recipes):
+        lines.append("- **gains** over the row's baseline: "
+                     + "; ".join(f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str)))
+    elif "gain of" in df:
+        lines.append("- **gains**: each row over the previous one (`gain of` in the CSV says what changes)")
+    prov = [", ".join(x for x in t if isinstance(x, str) and x)
+            for t in zip(df["ours mode"], df["ours hardware"], df["ours versions"])]
+    lines += [f"- **ours** {x}" for x in _rows_by(list(df["row"]), prov)]
+    lines += [f"- **notes** {x}" for x in _rows_by(list(df["row"]), df["ours notes"])]
+    lines.append("- **recipes**: " + ", ".join(f"`{rid}`" for rid in df["recipe"]))
+    if fig:
+        lines += ["", f"![paper vs predicted TPS/GPU and the predicted step breakdown]({fig})"]
+    return lines
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -261,38 +364,40 @@ README_HOW = """\
 - **paper**, **bench-2412**: typed once into the recipe files (`[reference]` of each row) from
   `shared/reference/paper_tables.md`: the TorchTitan paper (arXiv 2410.06511) and the public
   benchmark file `llama3_h100_202412_torchtitan`. H100 GPUs; throughput read at iteration 90;
-  memory = peak reserved GiB, max over ranks. `~` marks the less certain paper memory figures.
-  `paper gain %` is computed from the paper's throughput column against the row's baseline;
-  `gain of` names what the row adds over that baseline (compile, Float8, AsyncTP, a schedule).
-- **ours**: read from the result records in `records/<mode>/<recipe>.json`, written by the
-  trainer (`python -m core.train`, launched by `run-recipe run`). The real record wins over
-  the proxy record when both exist; `ours mode` says which one a line shows.
-  - `real`: the paper's exact configuration on GPUs.
-  - `proxy`: the same layout (the same parallel dims > 1, schedule and toggles) scaled to a
-    CPU: small model, short sequence, gloo. Its throughput and memory describe the proxy,
-    not the paper's hardware; compare gains and loss agreement, not absolute figures.
-  - `ours TPS/device`: tokens per second per rank, mean over the steps after the first
-    (the first pays for lazy init and compilation).
-  - `ours MFU %`: FLOPs/token x tokens/s per device / peak FLOP/s, with FLOPs/token =
-    6 (N - N_emb) + 12 L H (D/H) T and the peak of the record's hardware (the vendor BF16
-    peak on CUDA, the measured matmul peak on CPU). Empty when Float8 was applied (the paper
-    reports no MFU with Float8).
-  - `ours peak mem GiB`: max over ranks of CUDA max reserved memory (real) or the process's
-    peak RSS (CPU proxy).
-  - `ours hardware`, `ours versions`: the device, torch, torchao and git commit of the record.
-  - `ours gain %`: our throughput against our record of the baseline row, same mode only.
-    On a CPU proxy Float8 runs torchao's emulation (float8-quantized operands, fp32 matmul;
-    the record's toggles say `float8:emulated`: a CPU has no fast float8 GEMM) and compile
+  memory = peak reserved GiB, max over ranks; `~` marks the less certain paper memory figures.
+  `paper gain %`: the paper's throughput against the row's baseline (`gain of` names what the row
+  adds: compile, Float8, AsyncTP, a schedule) or, in the long-context tables, the previous row.
+- **predicted** (`predicted TPS/GPU`, `TPS error %`, `predicted gain %`, `predicted MFU %`,
+  `predicted step s`): the performance model (`core/dryrun/runtime.py`) at the row's true scale on
+  the GPU spec `predicted GPU` (`core/dryrun/hardware/<name>.toml`: datasheet figures and cited
+  benchmarks, two constants calibrated on the rows the tables name and mark †), read from the
+  `predicted` part of the row's dry-run record. Gains are between predictions, errors against the
+  paper. Each table's figure (`<table>.png`) sets paper and predicted TPS/GPU side by side and
+  stacks the predicted step: compute, memory-bound work, recompute, communication left exposed
+  per mesh dimension, pipeline bubble, optimizer.
+- **dry-run mem GiB** (`dry-run est. mem GiB`, `mem error %`): `core.dryrun.record.dry_run`'s
+  estimated peak reserved memory per rank at true scale, from `records/dry-run/`.
+- **ours**: the result records in `records/<mode>/<recipe>.json`, written by the trainer
+  (`python -m core.train`, launched by `run-recipe run`); a real record wins over a proxy one
+  (`ours mode`). `real`: the paper's configuration on GPUs. `proxy`: the same layout (parallel
+  dims > 1, schedule, toggles) scaled to a CPU (small model, short sequence, gloo): compare its
+  gains and loss agreement, not its absolute figures.
+  - `ours TPS/device`: tokens/s per rank, mean over the steps after the first (lazy init and
+    compilation). `ours MFU %`: FLOPs/token (6 (N - N_emb) + 12 L H (D/H) T) x tokens/s per device
+    / the peak of the record's hardware (vendor BF16 peak on CUDA, measured matmul peak on CPU);
+    empty when Float8 was applied (the paper reports none). `ours peak mem GiB`: max over ranks of
+    CUDA max reserved memory (real) or peak RSS (proxy). `ours hardware`, `ours versions`: the
+    device, torch, torchao and git commit of the record.
+  - `ours gain %`: against our record of the same comparison row, same mode only. On a CPU proxy
+    Float8 runs torchao's emulation (`float8:emulated`: no fast float8 GEMM on a CPU) and compile
     gains depend on tiny shapes: the sign and size describe this CPU, not an H100.
   - `ours PP bubble %`: the schedule's ideal idle fraction from its own action table
-    (`pp_bubble_fraction` of the record; hardware independent).
-  - `ours notes`: toggles the row asks for that could not run here, with the reason (AsyncTP
-    needs CUDA symmetric memory): a gain measured without its technique says so.
+    (`pp_bubble_fraction`; hardware independent). `ours notes`: toggles that could not run here,
+    with the reason (AsyncTP needs CUDA symmetric memory): a gain measured without its technique
+    says so.
   - `max |Δloss| vs baseline` (loss convergence): the largest per-step difference from the
-    baseline (1D) record of the same mode and step count. The curves' check (smoothed,
-    trailing window, stated tolerance) is in `loss_convergence.md`.
-- **dry-run est. mem GiB**: `core.dryrun.record.dry_run` at true scale (fake process group, fake
-  tensors), from `records/dry-run/`.
+    baseline (1D) record of the same mode and step count; the curves' check (smoothed, trailing
+    window, stated tolerance) is in `loss_convergence.md`.
 
 An empty cell means no record: nothing is typed in. Regenerate with `run-recipe results`.
 """
@@ -313,11 +418,21 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
         csv_name = table_csv_name(table)
         df.to_csv(out / csv_name, index=False)
         n_ours = int(df["ours mode"].notna().sum())
-        md = [f"# {meta.get('title', table)}", "", meta.get("caption", ""), "",
-              to_markdown(df, recipes), "",
-              (f"{n_ours} of {len(df)} rows have a record of ours. How the numbers were made: "
-              "[README.md](README.md)."), ""]
+        md = [f"# {meta.get('title', table)}", "", meta.get("caption", ""), ""]
         written += [out / f"{table}.md", out / csv_name]
+        fig = None
+        if table == "loss_convergence":  # no paper throughput: the wide table, curves below
+            md += [to_markdown(df, recipes), ""]
+        else:
+            png = figures.table_figure(meta.get("title", table), figures.figure_rows(df, records), out / f"{table}.png")
+            if png is None:
+                (out / f"{table}.png").unlink(missing_ok=True)  # a figure of records no longer there
+            else:
+                fig = png.name
+                written.append(png)
+            md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
+        md += [(f"{n_ours} of {len(df)} rows have a record of ours. Every column: [{csv_name}]({csv_name}); "
+                "how the numbers were made: [README.md](README.md)."), ""]
         if table == "loss_convergence":
             # the curves, their plot and check: from the same records
             proxy = {rid: rec for (rid, mode), rec in records.items()
@@ -326,28 +441,24 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
             written += files
             md += [section]
         (out / f"{table}.md").write_text("\n".join(md))
-        index.append((table, meta.get("title", table), len(df), n_ours, csv_name))
+        index.append((table, meta.get("title", table), len(df), n_ours, csv_name, fig))
 
     lines = ["# Results", "",
              ("Generated by `run-recipe results` from the records in "
              f"`{relative(Path(records_dir).resolve(), out.resolve())}` only. Do not edit by hand."), "",
-             "| table | rows | rows with our record |", "|---|---|---|"]
-    lines += [f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} |" for t, title, n, k, c in index]
+             "| table | rows | rows with our record | figure |", "|---|---|---|---|"]
+    lines += [f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} | {f'[{f}]({f})' if f else ''} |"
+              for t, title, n, k, c, f in index]
     others = _other_files(out, set(written))
     if others:
         lines += ["", "## Other results", "", "| file | what |", "|---|---|"]
         lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
     lines += ["", README_HOW, "## Records used", ""]
     if records:
-        rec_rows = []
-        for (rid, mode), rec in sorted(records.items()):
-            v = rec.get("versions") or {}
-            rec_rows.append({"recipe": rid, "mode": mode,
-                             "hardware": (rec.get("hardware") or {}).get("device", ""),
-                             "world": rec.get("world_size", ""), "steps": rec.get("steps", ""),
-                             "torch": v.get("torch", ""), "torchao": v.get("torchao", ""),
-                             "git": v.get("git", ""),
-                             "finished": rec.get("finished_at", "")})
+        rec_rows = [{"recipe": rid, "mode": mode, "hardware": (rec.get("hardware") or {}).get("device", ""),
+                     "world": rec.get("world_size", ""), "steps": rec.get("steps", ""),
+                     **{k: (rec.get("versions") or {}).get(k, "") for k in ("torch", "torchao", "git")},
+                     "finished": rec.get("finished_at", "")} for (rid, mode), rec in sorted(records.items())]
         lines.append(pd.DataFrame(rec_rows).astype(str).to_markdown(index=False, disable_numparse=True))
     else:
         lines.append("No records yet: run `run-recipe run <id> --mode proxy` (or real, dry-run).")

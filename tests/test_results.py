@@ -3,11 +3,15 @@ only; the results index links what exists. No processes: records are written by 
 from __future__ import annotations
 
 import json
+import re
+import struct
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from recipes import registry, results
+from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
+from recipes import figures, registry, results
 
 pytestmark = pytest.mark.dryrun
 
@@ -16,6 +20,23 @@ T2_ASYNC = T2 + "_asynctp"
 T3_1F1B = "llama3_405b/table3/512gpu_3d_1f1b"
 T3_INTER = "llama3_405b/table3/512gpu_3d_interleaved_1f1b"
 T1_BASE, T1_F8 = "llama3_8b/table1/8gpu_fsdp", "llama3_8b/table1/8gpu_fsdp_compile_float8"
+T1_COMP, T1_128 = "llama3_8b/table1/8gpu_fsdp_compile", "llama3_8b/table1/128gpu_fsdp"
+T4_CP1, T4_CP2 = "long_context/table4/8b_fsdp8_cp1_32k", "long_context/table4/8b_fsdp4_cp2_64k"
+CAL_NOTE = ("two constants fitted (core/dryrun/calibrate.py), every other one cited: compute.clock_fraction on "
+            f"{T1_COMP}, efficiency.flash_attention_bwd on {T4_CP1}")
+# today's columns of each table CSV (before the performance model): other checks read them
+TODAY = {"table1": ["row", "GPUs", "paper TPS/GPU", "paper mem GiB", "bench-2412 TPS/GPU", "bench-2412 mem GiB",
+                    "gain of", "paper gain %", "ours mode", "ours hardware", "ours versions", "ours world",
+                    "ours TPS/device", "ours MFU %", "ours peak mem GiB", "ours final loss", "ours gain %",
+                    "ours notes", "dry-run est. mem GiB", "recipe"],
+         "table4": ["row", "GPUs", "paper TPS/GPU", "paper mem GiB", "ours mode", "ours hardware", "ours versions",
+                    "ours world", "ours TPS/device", "ours MFU %", "ours peak mem GiB", "ours final loss",
+                    "ours notes", "dry-run est. mem GiB", "recipe"]}
+TODAY["table2"] = TODAY["table1"]
+TODAY["table3"] = TODAY["table1"][:17] + ["ours PP bubble %"] + TODAY["table1"][17:]
+TODAY["table5"] = TODAY["table4"][:12] + ["ours PP bubble %"] + TODAY["table4"][12:]
+COMPACT_HEADERS = ["row", "paper TPS/GPU", "predicted TPS/GPU", "TPS error %", "paper gain %", "predicted gain %",
+                   "paper mem GiB", "dry-run mem GiB", "mem error %", "ours TPS/device", "ours gain %"]
 
 
 def _rec(rid, tps, mode="proxy", **extra):
@@ -25,6 +46,17 @@ def _rec(rid, tps, mode="proxy", **extra):
            "versions": {"torch": "2.13.0+cpu", "torchao": "0.18.0", "git": "abc1234"}}
     rec.update(extra)
     return rec
+
+
+def _dry(rid, tps, mem=70.0, **breakdown):
+    """A dry-run record with the performance model's `predicted`, as core.dryrun.record writes it."""
+    parts = {"compute": 1.5, "memory_bound": 0.4, "recompute": 0.3, "bubble": 0.0, "optimizer": 0.02,
+             "exposed_comm": {"dp_shard": 0.1, "grad_norm": 0.0001}}
+    parts.update(breakdown)
+    return {"recipe": rid, "mode": "dry-run", "estimated_peak_gib": mem,
+            "predicted": {"gpu": "h100_96gb_hbm2e_500w", "step_time_s": 16384 / tps, "tokens_per_sec_per_gpu": tps,
+                          "mfu": 0.4, "breakdown": parts, "fits": mem <= 95, "capacity_gib": 95.0,
+                          "calibration": CAL_NOTE}}
 
 
 def _write(root, mode, rec):
@@ -43,7 +75,13 @@ def made(tmp_path):
     _write(rec, "proxy", _rec(T3_INTER, 260.0, pp_bubble_fraction=0.111))
     _write(rec, "proxy", _rec(T1_BASE, 1000.0, toggles_applied=["fsdp"]))
     _write(rec, "proxy", _rec(T1_F8, 400.0, toggles_applied=["float8", "compile", "fsdp"]))
-    _write(rec, "dry-run", {"recipe": T3_INTER, "mode": "dry-run", "estimated_peak_gib": 71.25})
+    _write(rec, "dry-run", {"recipe": T3_INTER, "mode": "dry-run", "estimated_peak_gib": 71.25})  # no prediction
+    _write(rec, "dry-run", _dry(T1_BASE, 5000.0, mem=75.8))
+    _write(rec, "dry-run", _dry(T1_COMP, 6000.0, mem=75.8, memory_bound=0.2))
+    _write(rec, "dry-run", _dry(T1_F8, 9000.0, mem=75.6, compute=1.0))
+    _write(rec, "dry-run", _dry(T4_CP1, 4000.0))
+    _write(rec, "dry-run", _dry(T4_CP2, 2600.0, mem=120.0))  # does not fit: still predicted, marked
+    _write(rec, "dry-run", _dry(T3_1F1B, 110.0, bubble=3.0))
     # a real record of a row beats its proxy record, and its gain is never mixed with a proxy baseline
     _write(rec, "real", _rec(T1_F8, 9000.0, mode="real", hardware={"device": "NVIDIA H100 80GB HBM3"},
                              toggles_applied=["float8", "compile", "fsdp"]))
@@ -106,3 +144,134 @@ def test_index_links_tables_and_other_results(made):
     md = (out / "table2.md").read_text()
     assert "-5.00%" in md and "+12.60%" in md and "AsyncTP" in md
     assert out / "README.md" in written
+
+
+def _md_table(md: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The first Markdown table of a file: its headers and {row label: cells}."""
+    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    end = next((i for i, c in enumerate(cells[2:], 2) if len(c) != len(cells[0])), len(cells))
+    return cells[0], {c[0]: c for c in cells[2:end]}
+
+
+def test_compact_table_reads_at_a_glance(made):
+    out, _ = made
+    for table in ("table1", "table2", "table3", "table4", "table5"):
+        headers, body = _md_table((out / f"{table}.md").read_text())
+        assert len(headers) <= 12, (table, headers)
+        assert headers == COMPACT_HEADERS, table
+        assert len(body) == len(registry.by_table(table))
+    md = (out / "table1.md").read_text()
+    headers, body = _md_table(md)
+    col = {h: i for i, h in enumerate(headers)}
+    base, comp = body["8 GPUs, FSDP"], body["8 GPUs, FSDP + compile"]
+    assert base[col["predicted TPS/GPU"]] == "5,000" and base[col["TPS error %"]] == "-20.1%"  # 5000 / 6258
+    assert base[col["paper mem GiB"]] == "~81.9" and base[col["mem error %"]] == "-7.4%"  # 75.8 / 81.9
+    assert comp[col["predicted TPS/GPU"]] == "6,000 †"  # the calibration row, marked
+    assert comp[col["predicted gain %"]] == "+20.00%" and comp[col["paper gain %"]] == "+6.65%"
+    missing = body["128 GPUs, FSDP"]  # no dry-run record: empty cells, never a number
+    assert all(missing[col[h]] == "" for h in ("predicted TPS/GPU", "TPS error %", "dry-run mem GiB", "mem error %"))
+    # the provenance list under the table: GPU spec, calibration row, mode/hardware/versions, notes, ids
+    assert "`h100_96gb_hbm2e_500w`" in md and "3 of 6 rows" in md
+    assert "Calibration row here (†): 8 GPUs, FSDP + compile (compute.clock_fraction)" in md
+    assert "proxy, test-cpu (2 cores), torch 2.13.0+cpu, torchao 0.18.0, git abc1234" in md
+    assert "real, NVIDIA H100 80GB HBM3" in md and f"`{T1_128}`" in md
+    t2 = (out / "table2.md").read_text()  # a note names its rows only
+    assert f"- **notes** ({registry.get(T2_ASYNC).row}): async_tp skipped: SymmetricMemory needs CUDA" in t2
+    t5 = (out / "table5.md").read_text()
+    assert "no dry-run record with a prediction" in t5 and "table5.png" not in t5
+    t4 = (out / "table4.md").read_text()
+    assert "No row of this table was used" not in t4 and "(efficiency.flash_attention_bwd)" in t4
+    assert "- **does not fit its GPU** (predicted anyway): FSDP 4, CP 2, seq 65,536" in t4
+    assert "No row of this table was used: every figure here is a prediction" in (out / "table3.md").read_text()
+    assert "no dry-run record with a prediction" in (out / "table2.md").read_text()
+
+
+def test_predicted_columns_and_errors_in_the_csv(made):
+    out, _ = made
+    t1 = pd.read_csv(out / "table1.csv")
+    assert list(t1["recipe"]) == [r.id for r in registry.by_table("table1")]  # same row order
+    t1 = t1.set_index("recipe")
+    assert t1.loc[T1_BASE, "predicted TPS/GPU"] == 5000.0
+    assert t1.loc[T1_BASE, "predicted TPS error %"] == pytest.approx(100 * (5000 / 6258 - 1), abs=0.05)
+    assert t1.loc[T1_BASE, "dry-run mem error %"] == pytest.approx(100 * (75.8 / 81.9 - 1), abs=0.05)
+    assert t1.loc[T1_F8, "predicted gain %"] == pytest.approx(80.0)  # 9000 / 5000, over the baseline
+    assert t1.loc[T1_F8, "predicted TPS error %"] == pytest.approx(100 * (9000 / 9409 - 1), abs=0.05)
+    assert pd.isna(t1.loc[T1_BASE, "predicted gain %"])  # the baseline has none
+    assert t1.loc[T1_COMP, "calibrated on"] == "compute.clock_fraction" and pd.isna(t1.loc[T1_BASE, "calibrated on"])
+    assert t1.loc[T1_BASE, "predicted GPU"] == "h100_96gb_hbm2e_500w" and t1.loc[T1_BASE, "predicted MFU %"] == 40.0
+    assert t1.loc[T1_BASE, "ours mode"] == "proxy" and t1.loc[T1_BASE, "ours versions"].startswith("torch 2.13.0")
+    assert t1.loc[[T1_128], ["predicted TPS/GPU", "predicted TPS error %", "dry-run mem error %"]].isna().all().all()
+    t3 = pd.read_csv(out / "table3.csv").set_index("recipe")  # a dry-run record without `predicted`
+    assert pd.isna(t3.loc[T3_INTER, "predicted TPS/GPU"]) and pd.isna(t3.loc[T3_INTER, "predicted gain %"])
+    assert t3.loc[T3_INTER, "dry-run mem error %"] == pytest.approx(100 * (71.25 / 80.3 - 1), abs=0.05)
+    # long-context tables: each row's gain over the previous row (the CP doubling)
+    t4 = pd.read_csv(out / "table4.csv").set_index("recipe")
+    assert t4.loc[T4_CP2, "paper gain %"] == pytest.approx(100 * (2540 / 3890 - 1), abs=0.01)
+    assert t4.loc[T4_CP2, "predicted gain %"] == pytest.approx(-35.0)
+    assert t4.loc[T4_CP2, "gain of"] == "CP 2, FSDP 4 (vs CP 1, FSDP 8)"
+    assert pd.isna(t4.loc[T4_CP1, "paper gain %"])
+
+
+def test_every_csv_keeps_todays_columns_in_order(made):
+    out, _ = made
+    for table, today in TODAY.items():
+        cols = list(pd.read_csv(out / f"{table}.csv").columns)
+        assert set(today) <= set(cols), (table, set(today) - set(cols))
+        assert [c for c in cols if c in today] == today, table
+        for new in ("predicted TPS/GPU", "predicted TPS error %", "predicted gain %", "dry-run mem error %"):
+            assert new in cols, (table, new)
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_figure_per_table_with_predictions(made):
+    out, written = made
+    for table in ("table1", "table4"):
+        png = out / f"{table}.png"
+        assert png in written and png.stat().st_size > 20_000
+        w, h = _png_size(png)
+        assert w > 800 and h > 300
+        assert f"]({table}.png)" in (out / f"{table}.md").read_text()
+    assert not (out / "table5.png").exists()  # no prediction there: no figure of paper bars alone
+    readme = (out / "README.md").read_text()
+    assert "[table1.png](table1.png)" in readme and "(table5.png)" not in readme
+
+
+def test_stale_figure_goes_when_its_predictions_go(made, tmp_path):
+    out, _ = made
+    assert (out / "table1.png").exists()
+    empty = tmp_path / "no_records"
+    empty.mkdir()
+    results.write_results(empty, out)
+    assert not (out / "table1.png").exists()
+    assert "table1.png" not in (out / "table1.md").read_text()
+
+
+def test_breakdown_parts_stack_in_order_and_keep_unknown_keys():
+    parts = figures.breakdown_parts({"optimizer": 0.1, "bubble": 2.0, "compute": 5.0, "memory_bound": 1.0,
+                                     "recompute": 0.5, "new_thing": 0.25,
+                                     "exposed_comm": {"tp": 0.3, "dp_shard_cp": 0.2, "zz": 0.01}})
+    assert list(parts) == ["compute", "memory-bound", "recompute", "exposed comm: TP",
+                           "exposed comm: FSDP (shard x CP)", "exposed comm: zz", "new thing", "PP bubble", "optimizer"]
+    assert sum(parts.values()) == pytest.approx(9.36)
+
+
+def test_readme_names_the_calibration_the_spec_states():
+    """README's paragraph on predicted throughput stays true: the default spec, the other specs,
+    and each calibrated constant with its row as the spec file's calibration note says."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    note = load_spec(DEFAULT_GPU).calibration
+    pairs = re.findall(r"([\w.]+) on ([\w./-]+)", note)
+    assert len(pairs) == 2
+    for const, row in pairs:
+        registry.get(row)  # a real row
+        assert f"`{const}`, on `{row}`" in section, (const, row)
+        assert results.calibrated_constants(note, row) == [const]
+    for gpu in known_gpus():
+        assert f"`{gpu}`" in section, gpu
