@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from core.config import JobConfig
 from core.models.llama3 import Transformer
-from core.optim.optimizer import lr_factor
+from core.optim import lr_factor
 
 
 def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,

@@ -26,7 +26,7 @@ from core.config import ConfigError, JobConfig, load_config, save_config, valida
 from core.metrics import (MetricsLogger, cpu_peak_flops, device_info, flops_per_token,
                           peak_memory_gib)
 from core.models.llama3 import FLAVORS, ModelArgs, Transformer
-from core.optim.optimizer import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles, parallelize
 
@@ -106,7 +106,7 @@ class Trainer:
 
         self.model_parts, self.pp_schedule = self._build_model()
         self.optimizer = build_optimizer(self.model_parts, cfg)
-        from core.optim.float8 import post_optimizer_hook
+        from core.toggles.float8 import post_optimizer_hook
         self.post_optimizer_hook = post_optimizer_hook(cfg)  # Float8: precompute FSDP scales
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.dataloader = self._build_dataloader()
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
-        from core.optim.hardware import check_hardware
+        from core.hardware import check_hardware
         check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -127,7 +127,7 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
         elif token == "nvswitch":
             notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
     from core.config import ConfigError
-    from core.optim.hardware import check_hardware as check_toggles
+    from core.hardware import check_hardware as check_toggles
     try:  # the trainer's own check (Float8 sm89+, AsyncTP: CUDA + NVLink/NVSwitch in real mode)
         check_toggles(cfg)
     except ConfigError as e:

@@ -161,7 +161,7 @@ def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int 
 
     from core.config import Compile
     from core.models.llama3 import build_model
-    from core.optim.compile import apply_compile
+    from core.toggles.compile import apply_compile
     from core.parallel.parallelize import Toggles
     model = build_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
     if mode == "block":

@@ -70,7 +70,7 @@ def test_ac_modes_match_no_ac(pg, tmp_path):
 def test_ac_wraps_the_right_blocks():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from core.optim.activation_checkpoint import apply_ac
+    from core.toggles.activation_checkpoint import apply_ac
     for option, wrapped in (("1", ["0", "1", "2", "3"]), ("2", ["1", "3"]), ("3", ["2"]), ("op", ["0", "1", "2", "3"])):
         model, toggles = tiny_model(), Toggles()
         apply_ac(model, ActivationCheckpoint("selective", option), toggles)
@@ -86,7 +86,7 @@ def activation_peak_mib(mode: str, option: str = "op") -> float:
     """Peak activation memory of one forward + backward (MemTracker: tensors by role)."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    from core.optim.activation_checkpoint import apply_ac
+    from core.toggles.activation_checkpoint import apply_ac
     model = tiny_model(seq=256)
     apply_ac(model, ActivationCheckpoint(mode, option), Toggles())
     tokens = torch.randint(0, 512, (4, 257), generator=torch.Generator().manual_seed(0))
@@ -125,8 +125,8 @@ def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from core.config import Compile
-    from core.optim.activation_checkpoint import wrap_block
-    from core.optim.compile import compile_block
+    from core.toggles.activation_checkpoint import wrap_block
+    from core.toggles.compile import compile_block
     mesh = init_device_mesh("cpu", (1,))
     plain, tp_block = tiny_model().layers["0"], tiny_model().layers["0"]
     wq = tp_block.attention.wq
@@ -140,7 +140,7 @@ def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
 
 
 def test_compile_uses_the_project_cache_dir(monkeypatch):
-    from core.optim import compile as compile_mod
+    from core.toggles import compile as compile_mod
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert compile_mod.ensure_cache_dir() == str(compile_mod.DEFAULT_CACHE_DIR)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere-inductor")
@@ -166,7 +166,7 @@ def test_compile_composes_with_fsdp2(tmp_path, reference_fp32):
 
 @pytest.mark.slow
 def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path, reference_fp32):
-    """The two cases torch 2.13 broke, fixed in core.optim.compile: per-block compile with TP 2
+    """The two cases torch 2.13 broke, fixed in core.toggles.compile: per-block compile with TP 2
     ('Tensor' object has no attribute '_local_tensor'), and with full AC on top (AOTAutograd
     saving a DeviceMesh). AsyncTP asked for in proxy mode: recorded as skipped, with the reason."""
     rec = run_trainer(2, _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
@@ -200,7 +200,7 @@ def test_float8_close_to_bf16(bf16_losses, tmp_path, recipe):
 def test_float8_filter_keeps_output_and_odd_dims_high_precision():
     from torchao.float8.float8_linear import Float8Linear
 
-    from core.optim.float8 import apply_float8
+    from core.toggles.float8 import apply_float8
     model = tiny_model()
     model.layers["0"].feed_forward.w2 = torch.nn.Linear(200, 64, bias=False)  # 200 % 16 != 0
     cfg = cfg_of("float8.enabled=true")
@@ -216,7 +216,7 @@ def test_float8_filter_keeps_output_and_odd_dims_high_precision():
 def test_float8_emulation_matches_the_scaled_mm_kernel():
     """The proxy's emulated float8 (fp32 matmul of the same float8-quantized operands) against
     torch._scaled_mm on CPU: equal up to accumulation order, and the record says emulated."""
-    from core.optim.float8 import apply_float8
+    from core.toggles.float8 import apply_float8
     torch.manual_seed(0)
     x = torch.randn(64, 128, dtype=torch.bfloat16)
     outs, grads = {}, {}
@@ -243,7 +243,7 @@ def test_float8_fsdp_options_validated():
         cfg_of("float8.enabled=true", "float8.recipe=rowwise", "float8.enable_fsdp_float8_all_gather=true")
     with pytest.raises(ConfigError, match="float8.precompute_float8_dynamic_scale_for_fsdp"):
         cfg_of("float8.enabled=true", "float8.precompute_float8_dynamic_scale_for_fsdp=true")
-    from core.optim.float8 import post_optimizer_hook
+    from core.toggles.float8 import post_optimizer_hook
     on = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
           "float8.precompute_float8_dynamic_scale_for_fsdp=true"]
     fsdp2 = validate(load_config(None, BASE + on + ["parallelism.dp_shard=2"]), 2, check_files=False)
@@ -266,7 +266,7 @@ def test_float8_fsdp2_float8_all_gather(tmp_path):
 
 
 def test_float8_needs_sm89_on_cuda(monkeypatch):
-    from core.optim.hardware import check_hardware
+    from core.hardware import check_hardware
     cfg = cfg_of("float8.enabled=true")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
@@ -305,7 +305,7 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
     import torch._inductor.config as inductor_config
     import torch.distributed._symmetric_memory as symm_mem
 
-    from core.optim import async_tp
+    from core.toggles import async_tp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
@@ -321,7 +321,7 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
             assert inductor_config._micro_pipeline_tp is True
         assert calls == ["tp-group-7"]
     assert toggles.applied == ["async_tp"] and not toggles.skipped
-    from core.optim.hardware import check_hardware
+    from core.hardware import check_hardware
     assert check_hardware(async_tp_cfg("real")) == {}
     # peer access missing between two GPUs: refused (real) / skipped (proxy)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (0, 5))
@@ -333,8 +333,8 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
 def test_async_tp_refused_on_cpu():
     import torch._inductor.config as inductor_config
 
-    from core.optim.async_tp import apply_async_tp
-    from core.optim.hardware import check_hardware
+    from core.toggles.async_tp import apply_async_tp
+    from core.hardware import check_hardware
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp: .*CUDA.*NVSwitch"):
         check_hardware(async_tp_cfg("real"))
     with inductor_config.patch(_micro_pipeline_tp=False):

@@ -119,7 +119,7 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from core.models.llama3 import Transformer
-    from core.optim.optimizer import build_optimizer, clip_grad_norm_
+    from core.optim import build_optimizer, clip_grad_norm_
     from core.parallel.parallelize import Toggles, parallelize
     from core.train import Trainer, model_args
 
@@ -141,7 +141,7 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
     else:
         tr.pp_schedule, tr.model_parts = None, [parallelize(model, mesh, dims, cfg, tr.toggles)]
     del model
-    from core.optim.float8 import post_optimizer_hook
+    from core.toggles.float8 import post_optimizer_hook
     post_opt = post_optimizer_hook(cfg)
     build_s = time.perf_counter() - t0
     why_not = None if track else (untrackable or "a pipeline rank's schedule under the tracker "
