@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.checkpoint import (CheckpointError, complete_steps, import_hf,
-                             load_model_weights, main as ckpt_main, read_metadata, resolve)
+from core.checkpoint import main as ckpt_main
+from core.checkpoint_files import CheckpointError, complete_steps, import_hf, load_model_weights, read_metadata, resolve
 from core.config import ConfigError, load_config, validate
 from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer
 

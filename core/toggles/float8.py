@@ -24,15 +24,49 @@ loss-convergence rows keep the real `_scaled_mm` on their tiny dims.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from core.config import ConfigError, JobConfig
 
+# torchao is imported only when Float8 is on (inside the functions below): importing it costs
+# seconds and logs the noise filtered here.
+
 MIN_CUDA_CAPABILITY = (8, 9)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+# Library messages that say nothing about this run, printed by every rank on every torchao import:
+# (logger, message start, why it is noise)
+KNOWN_NOISE = (
+    ("torchao", "Failed to load ",
+     ("torchao's prebuilt CUDA kernels (mxfp8, cutlass sm90a) that a CPU-only or other-Python install "
+      "cannot load; Float8 training here uses torch._scaled_mm or emulation, not those kernels")),
+    ("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass",
+     ("torch's deprecation notice for torchao registering its KernelPreference enum as a pytree "
+      "constant (torchao's to fix)")),
+)
+
+
+class _DropKnownNoise(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_library_warnings() -> None:
+    """Drop the KNOWN_NOISE messages (only those) from their libraries' loggers; once per process."""
+    for name in {logger for logger, _, _ in KNOWN_NOISE}:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownNoise) for f in log.filters):
+            log.addFilter(_DropKnownNoise(tuple(start for lg, start, _ in KNOWN_NOISE if lg == name)))
 
 
 def _fsdp_enabled(cfg: JobConfig) -> bool:
@@ -52,7 +86,6 @@ def float8_config(cfg: JobConfig):
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather_active(cfg), emulate=f.emulate)
     base = Float8LinearConfig.from_recipe_name(f.recipe)
     if f.emulate:  # the config is frozen: rebuild it with emulate on
-        import dataclasses
         base = dataclasses.replace(base, emulate=True)
     return base
 
