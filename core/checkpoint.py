@@ -71,6 +71,7 @@ from core.checkpoint_files import (
 )
 from core.config import JobConfig
 from core.models.llama3 import ModelArgs
+from core.noise import quiet_library_warnings
 
 
 # ------------------------------------------------------------- model parts <-> one key space
@@ -434,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("ls", help="complete checkpoints of a folder")
     ls.add_argument("folder")
     a = parser.parse_args(argv)
+    quiet_library_warnings()
     try:
         if a.cmd == "export-hf":
             print(export_hf(a.checkpoint, a.out, a.dtype))

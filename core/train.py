@@ -35,12 +35,18 @@ from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_p
 from core.hardware import check_hardware
 from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
 from core.models.llama3 import FLAVORS, ModelArgs
+from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
-from core.toggles.float8 import post_optimizer_hook, quiet_library_warnings
+from core.toggles.float8 import post_optimizer_hook
+
+if __name__ == "__mp_main__":
+    # DCP's checkpoint process (async_with_pinned_mem) re-imports this module as its main and logs
+    # from there, before any trainer exists.
+    quiet_library_warnings()
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -361,6 +367,7 @@ def run(cfg: JobConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_warnings()
     try:
         cfg = parse_args(argv)
         validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)

@@ -28,12 +28,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from core.build import build_model
 from core.config import pp_microbatches, stages_per_rank
 from core.dryrun.memory import GIB
+from core.noise import quiet_library_warnings
 from core.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims
 from core.parallel.parallelize import Toggles
 from core.parallel.pipeline import pipeline_order
-from core.toggles.float8 import post_optimizer_hook, quiet_library_warnings
+from core.toggles.float8 import post_optimizer_hook
 from core.train import TrainStep, model_args, pipeline_loss
 
 

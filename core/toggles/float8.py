@@ -25,7 +25,6 @@ loss-convergence rows keep the real `_scaled_mm` on their tiny dims.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 
 import torch
@@ -34,39 +33,10 @@ import torch.nn as nn
 from core.config import ConfigError, JobConfig
 
 # torchao is imported only when Float8 is on (inside the functions below): importing it costs
-# seconds and logs the noise filtered here.
+# seconds and logs messages (core/noise.py) that a run without Float8 has no reason to show.
 
 MIN_CUDA_CAPABILITY = (8, 9)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-# Library messages that say nothing about this run, printed by every rank on every torchao import:
-# (logger, message start, why it is noise)
-KNOWN_NOISE = (
-    ("torchao", "Failed to load ",
-     ("torchao's prebuilt CUDA kernels (mxfp8, cutlass sm90a) that a CPU-only or other-Python install "
-      "cannot load; Float8 training here uses torch._scaled_mm or emulation, not those kernels")),
-    ("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass",
-     ("torch's deprecation notice for torchao registering its KernelPreference enum as a pytree "
-      "constant (torchao's to fix)")),
-)
-
-
-class _DropKnownNoise(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]):
-        super().__init__()
-        self.starts = starts
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.starts)
-
-
-def quiet_library_warnings() -> None:
-    """Drop the KNOWN_NOISE messages (only those) from their libraries' loggers; once per process."""
-    for name in {logger for logger, _, _ in KNOWN_NOISE}:
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _DropKnownNoise) for f in log.filters):
-            log.addFilter(_DropKnownNoise(tuple(start for lg, start, _ in KNOWN_NOISE if lg == name)))
 
 
 def _fsdp_enabled(cfg: JobConfig) -> bool:
