@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from core.config import JobConfig
-from core.models.llama3 import ModelArgs, Transformer
+from core.models.args import ModelArgs
+from core.models.llama3 import Transformer
 from core.parallel.mesh import ParallelDims, WorldMesh
 from core.parallel.parallelize import Toggles, parallelize
 from core.parallel.pipeline import build_pipeline

@@ -70,7 +70,7 @@ from core.checkpoint_files import (
     resolve,
 )
 from core.config import JobConfig
-from core.models.llama3 import ModelArgs
+from core.models.args import ModelArgs
 from core.noise import quiet_library_warnings
 
 

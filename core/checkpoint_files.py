@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from core.models.args import ModelArgs
 from core.models.hf_convert import load_hf, save_hf
-from core.models.llama3 import ModelArgs
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP = ".tmp"

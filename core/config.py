@@ -8,15 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
 
-class ConfigError(ValueError):
-    """A bad configuration, detected before launch. The message names the key."""
+from core.errors import ConfigError
+from core.models.args import FLAVORS
+from core.parallel.stages import PP_SCHEDULES, check_pipeline
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Job:
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # a key of core.models.llama3.FLAVORS
+    flavor: str = "debug"  # a key of core.models.args.FLAVORS
     vocab_size: int = 0  # 0: take the tokenizer's n_words (proxy flavors); real flavors keep 128256
     rope_scaling: str = "default"  # default (the flavor's) | on | off
 
@@ -234,7 +235,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     The value is read as a TOML literal (numbers, booleans, quoted strings, lists); anything
     that is not a valid literal is taken as a bare string.
     """
-    body = text[2:] if text.startswith("--") else text
+    body = text.removeprefix("--")
     if "=" not in body:
         raise ConfigError(f"{text}: an override must look like section.key=value")
     dotted, raw = body.split("=", 1)
@@ -278,10 +279,6 @@ def save_config(cfg: JobConfig, path: str | os.PathLike) -> None:
 
 
 # -------------------------------------------------------------------------------- validation
-PP_SCHEDULES_SINGLE = ("GPipe", "1F1B")
-PP_SCHEDULES_LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                       "DualPipeV")
-PP_SCHEDULES = PP_SCHEDULES_SINGLE + PP_SCHEDULES_LOOPED
 DTYPES = ("float32", "bfloat16")
 
 
@@ -316,76 +313,6 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
     return product
 
 
-def stages_per_rank(p: Parallelism, n_layers: int | None = None) -> int:
-    """Explicit, else from split points or layers per stage (needs n_layers), else 1 or 2."""
-    if p.pp == 1:
-        return 1
-    if p.pp_stages_per_rank:
-        return p.pp_stages_per_rank
-    n_stages = 0
-    if p.pp_split_points:
-        n_stages = len(p.pp_split_points) + 1
-    elif p.pp_layers_per_stage and n_layers:
-        n_stages = -(-n_layers // p.pp_layers_per_stage)
-    if n_stages:
-        return max(1, n_stages // p.pp)  # validate() refuses a count pp does not divide
-    return 2 if p.pp_schedule in PP_SCHEDULES_LOOPED else 1
-
-
-def pp_microbatches(p: Parallelism, n_layers: int | None = None) -> int:
-    """Explicit, else one per stage (torchtitan's default)."""
-    return p.pp_microbatches or p.pp * stages_per_rank(p, n_layers)
-
-
-def _validate_pp(cfg: JobConfig, n_layers: int) -> None:
-    """Stage count and layer split, and the microbatch counts each torch schedule accepts."""
-    from core.parallel.pipeline import split_layers  # local: imports torch.distributed.pipelining
-
-    t, p = cfg.training, cfg.parallelism
-    spr = stages_per_rank(p, n_layers)
-    if p.pp_split_points and (len(p.pp_split_points) + 1) % p.pp:
-        raise ConfigError(f"parallelism.pp_split_points: {len(p.pp_split_points) + 1} stages do not divide "
-                          f"over pp {p.pp} ranks")
-    if p.pp_layers_per_stage and not p.pp_split_points and not p.pp_stages_per_rank \
-            and -(-n_layers // p.pp_layers_per_stage) % p.pp:
-        raise ConfigError(f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} gives "
-                          f"{-(-n_layers // p.pp_layers_per_stage)} stages for {n_layers} layers, not a "
-                          f"multiple of pp {p.pp}")
-    # the key that set the stage count, named in the errors below
-    src = "parallelism." + ("pp_stages_per_rank" if p.pp_stages_per_rank else "pp_split_points"
-                            if p.pp_split_points else "pp_layers_per_stage" if p.pp_layers_per_stage
-                            else "pp_stages_per_rank")
-    if p.pp_schedule in ("ZBVZeroBubble", "DualPipeV") and spr != 2:
-        raise ConfigError(f"{src}: {p.pp_schedule} needs exactly 2 stages per rank, got {spr}")
-    if p.pp_schedule in PP_SCHEDULES_SINGLE and spr != 1:
-        raise ConfigError(f"{src}: {p.pp_schedule} takes 1 stage per rank, got {spr}")
-    if p.pp_schedule in PP_SCHEDULES_LOOPED and spr < 2:
-        raise ConfigError(f"{src}: {p.pp_schedule} loops over >= 2 stages per rank, got {spr}")
-    n_stages = p.pp * spr
-    if n_stages > n_layers:
-        raise ConfigError(
-            f"parallelism.pp: {n_stages} pipeline stages (pp {p.pp} x {spr} per rank) "
-            f"exceed the model's {n_layers} layers ({cfg.model.flavor})")
-    split_layers(n_layers, n_stages, p.pp_layers_per_stage, p.pp_split_points)
-    micro = pp_microbatches(p, n_layers)
-    if micro < p.pp:
-        raise ConfigError(
-            f"parallelism.pp_microbatches: {micro} microbatches cannot fill a {p.pp}-rank pipeline "
-            f"(need >= {p.pp})")
-    if p.pp_schedule == "DualPipeV" and micro < n_stages:
-        raise ConfigError(f"parallelism.pp_microbatches: DualPipeV needs >= one per stage ({n_stages}), got {micro}")
-    rounds = max(1, micro // p.pp)  # torch's interleaved schedules run micro // pp rounds
-    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
-        raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of "
-                          f"{rounds} rounds (microbatches // pp), got {micro}")
-    if t.local_batch_size % micro:
-        raise ConfigError(
-            f"parallelism.pp_microbatches: {micro} does not divide training.local_batch_size {t.local_batch_size}")
-    if cfg.compile.enabled and p.pp_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        raise ConfigError(f"compile.enabled: torch's {p.pp_schedule} splits the backward into input and "
-                          "weight parts, which it does not support on compiled stages")
-
-
 def _validate_toggles(cfg: JobConfig) -> None:
     """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.optim.hardware)."""
     f, p = cfg.float8, cfg.parallelism
@@ -404,8 +331,6 @@ def _validate_toggles(cfg: JobConfig) -> None:
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
     """Every check that needs no process group. Raises ConfigError naming the key."""
-    from core.models.llama3 import FLAVORS  # local: config is importable without torch models
-
     t, p = cfg.training, cfg.parallelism
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor: {cfg.model.flavor!r} is not one of: {', '.join(FLAVORS)}")
@@ -458,7 +383,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(
             f"parallelism.tp: {p.tp} does not divide model n_kv_heads {args.n_kv_heads} ({cfg.model.flavor})")
     if p.pp > 1:
-        _validate_pp(cfg, args.n_layers)
+        check_pipeline(cfg, args.n_layers)
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"training.seq_len: {t.seq_len} must divide by 2 x cp = {2 * p.cp} (load-balanced context parallel)")

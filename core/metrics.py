@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.models.llama3 import ModelArgs, count_params
+from core.models.args import ModelArgs, param_count
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
@@ -27,7 +27,7 @@ PEAK_FLOPS = {
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    n = count_params(args)
+    n = param_count(args)
     n_emb = args.vocab_size * args.dim
     head_dim = args.dim // args.n_heads
     return 6 * (n - n_emb) + 12 * args.n_layers * args.n_heads * head_dim * seq_len

@@ -15,8 +15,8 @@ from core.build import init_model
 from core.config import JobConfig
 from core.data.datasets import build_dataloader
 from core.data.tokenizer import Tokenizer
+from core.models.args import model_args  # the same ModelArgs resolution as the trainer
 from core.optim import lr_factor
-from core.train import model_args  # the same ModelArgs resolution as the trainer
 
 
 def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,

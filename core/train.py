@@ -7,7 +7,6 @@ and `metrics.jsonl` in `job.output_dir`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -34,7 +33,7 @@ from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
 from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
-from core.models.llama3 import FLAVORS, ModelArgs
+from core.models.args import model_args
 from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
@@ -57,19 +56,6 @@ def pipeline_loss(cfg: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torc
     """The pipeline schedule's loss of one microbatch: scaled like the non-pipelined step's."""
     accum = cfg.training.grad_accum_steps
     return lambda logits, labels: cross_entropy_loss(logits, labels) / accum
-
-
-def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
-    args = dataclasses.replace(FLAVORS[cfg.model.flavor])
-    if cfg.model.vocab_size:
-        args.vocab_size = cfg.model.vocab_size
-    elif vocab_size and args.vocab_size != 128256:  # proxy flavors follow their tokenizer
-        args.vocab_size = vocab_size
-    if cfg.model.rope_scaling != "default":
-        args.rope_scaling = cfg.model.rope_scaling == "on"
-    # RoPE table exactly one sequence long: context parallel shards it with the tokens.
-    args.max_seq_len = cfg.training.seq_len
-    return args
 
 
 def init_distributed(cfg: JobConfig) -> None:

@@ -42,8 +42,9 @@ from core.debug import (
     setup_flight_recorder,
     torchfrtrace,
 )
+from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer
-from core.train import model_args, run
+from core.train import run
 from recipes.checkpoint_bench import COLUMNS, run_checkpoint_bench
 from recipes.launcher import launch_env, local_command
 from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.data import assets
+from core.data import corpus as offline_corpus
 from core.data.datasets import (
     DATASETS,
     DatasetUnavailableError,
@@ -160,12 +161,12 @@ def test_gutenberg_boilerplate_and_documents():
            "*** START OF THIS PROJECT GUTENBERG EBOOK SOMETHING ***\r\n\r\n"
            + body.replace("\n", "\r\n")
            + "\r\n\r\nEnd of the Project Gutenberg EBook\r\n*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nmore legal")
-    text = assets.strip_gutenberg_boilerplate(raw)
+    text = offline_corpus.strip_gutenberg_boilerplate(raw)
     assert "Gutenberg" not in text and "legal" not in text.lower() and "\r" not in text
     assert text.strip() == body
-    docs = assets.split_into_documents(text)
+    docs = offline_corpus.split_into_documents(text)
     assert len(docs) > 5 and "\n\n".join(docs) == body
-    assert all(assets.DOC_MIN_CHARS <= len(d) <= 2 * assets.DOC_TARGET_CHARS for d in docs)
+    assert all(offline_corpus.DOC_MIN_CHARS <= len(d) <= 2 * offline_corpus.DOC_TARGET_CHARS for d in docs)
 
 
 def test_corpus_layout(corpus, assets_root):
@@ -175,9 +176,14 @@ def test_corpus_layout(corpus, assets_root):
     with gzip.open(en / "c4-train.00000-of-00004.json.gz", "rt") as f:
         rec = json.loads(f.readline())
     assert list(rec) == ["text", "timestamp", "url"] and len(rec["text"]) > 500
-    works = lambda split: {json.loads(l)["url"].split("#")[1].rsplit("-", 1)[0]
-                           for p in en.glob(f"c4-{split}.*") for l in gzip.open(p, "rt")}
-    assert works("validation") == set(assets.VALIDATION_WORKS)
+    def works(split):
+        out = set()
+        for p in en.glob(f"c4-{split}.*"):
+            with gzip.open(p, "rt") as f:
+                out |= {json.loads(line)["url"].split("#")[1].rsplit("-", 1)[0] for line in f}
+        return out
+
+    assert works("validation") == set(offline_corpus.VALIDATION_WORKS)
     assert not works("validation") & works("train")
     manifest = json.loads((assets_root / "MANIFEST.json").read_text())
     assert manifest["assets"]["c4_offline"]["documents"]["train"] > 2000

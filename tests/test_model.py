@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from core.config import load_config
+from core.models.args import model_args, param_count
 from core.models.hf_convert import (
     from_hf_state_dict,
     hf_config,
@@ -53,6 +55,23 @@ def test_meta_model_counts_match_analytic():
 def test_flavor_copies_are_independent():
     a = build_model("tiny", vocab_size=1000).args
     assert a.vocab_size == 1000 and FLAVORS["tiny"].vocab_size == 4352
+
+
+def test_model_args_from_the_job_config():
+    """core.models.args.model_args: proxy flavors follow the tokenizer, published ones keep Llama 3's
+    vocabulary; model.vocab_size and model.rope_scaling override; RoPE table one sequence long."""
+    cfg = load_config(overrides=["model.flavor=tiny", "training.seq_len=96"])
+    a = model_args(cfg, 1000)
+    assert (a.vocab_size, a.max_seq_len, a.rope_scaling) == (1000, 96, False)
+    assert model_args(cfg, None).vocab_size == FLAVORS["tiny"].vocab_size
+    assert FLAVORS["tiny"].max_seq_len == 512  # the table is not touched
+    cfg = load_config(overrides=["model.flavor=8B", "model.rope_scaling=off"])
+    a = model_args(cfg, 1000)
+    assert (a.vocab_size, a.rope_scaling) == (128256, False)
+    cfg = load_config(overrides=["model.flavor=tiny", "model.vocab_size=777", "model.rope_scaling=on"])
+    a = model_args(cfg, 1000)
+    assert (a.vocab_size, a.rope_scaling) == (777, True)
+    assert param_count(a) == count_params(build_model(a))
 
 
 def _materialize(flavor, seed):

@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import (PP_SCHEDULES, PP_SCHEDULES_SINGLE, ConfigError, load_config,
-                         validate)
-from core.parallel.pipeline import (bubble_fraction, library_schedules, split_layers, stage_ids_for_rank,
-                                    stage_module)
+from core.config import ConfigError, load_config, validate
+from core.parallel.pipeline import bubble_fraction, library_schedules, stage_module
+from core.parallel.stages import (
+    PP_SCHEDULES,
+    PP_SCHEDULES_SINGLE,
+    V_SCHEDULES,
+    pp_microbatches,
+    split_layers,
+    stage_ids_for_rank,
+)
 from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff
 
 pytestmark = [pytest.mark.parity]
@@ -51,9 +57,9 @@ def test_split_layers():
     assert [len(s) for s in split_layers(10, 4, layers_per_stage=3)] == [2, 3, 3, 2]
     assert [len(s) for s in split_layers(9, 4, layers_per_stage=3)] == [2, 3, 3, 1]
     assert split_layers(8, 3, split_points=[1, 5]) == [[0], [1, 2, 3, 4], [5, 6, 7]]
-    for bad in [dict(n_stages=9), dict(n_stages=4, layers_per_stage=1), dict(n_stages=4, layers_per_stage=5),
-                dict(n_stages=3, split_points=[3]), dict(n_stages=3, split_points=[4, 4]),
-                dict(n_stages=2, split_points=[8])]:
+    for bad in [{"n_stages": 9}, {"n_stages": 4, "layers_per_stage": 1}, {"n_stages": 4, "layers_per_stage": 5},
+                {"n_stages": 3, "split_points": [3]}, {"n_stages": 3, "split_points": [4, 4]},
+                {"n_stages": 2, "split_points": [8]}]:
         with pytest.raises(ConfigError, match="parallelism.pp"):
             split_layers(8, **bad)
 
@@ -63,6 +69,18 @@ def test_stage_placement_loop_and_v():
     for name in ("ZBVZeroBubble", "DualPipeV"):
         assert [stage_ids_for_rank(r, 4, 8, name) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [stage_ids_for_rank(r, 2, 2, "1F1B") for r in range(2)] == [[0], [1]]
+
+
+def test_stage_placement_matches_torch():
+    """The torch-free placement (core.parallel.stages) is the library's own mapping."""
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+    for pp in (1, 2, 3, 4, 8):
+        for spr in (1, 2, 3, 4):
+            n = pp * spr
+            for name in ("1F1B", "Interleaved1F1B", *V_SCHEDULES):
+                style = "v" if name in V_SCHEDULES else "loop"
+                lib = generate_rank_to_stage_mapping(pp, n, style=style)
+                assert [stage_ids_for_rank(r, pp, n, name) for r in range(pp)] == [lib[r] for r in range(pp)]
 
 
 def test_stage_modules_keep_fqns_and_partition_the_model():
@@ -140,7 +158,6 @@ def test_valid_pipeline_configs_are_accepted(extra, world):
 
 
 def test_default_microbatches_one_per_stage():
-    from core.config import pp_microbatches
     cfg = _validate("model.flavor=tiny4", "parallelism.pp=2", "parallelism.pp_schedule=DualPipeV", world=2)
     assert pp_microbatches(cfg.parallelism, 4) == 4
     cfg = _validate("model.flavor=tiny4", "parallelism.pp=2", "parallelism.pp_schedule=1F1B", world=2)
@@ -179,7 +196,7 @@ def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, d
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc_per_node={world}", "-m", "recipes.parity", str(spec)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     records, missing = {}, []
     for name in jobs:
         f = out / name / "result.json"
@@ -193,7 +210,7 @@ def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, d
     return records
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(flavor: str, dtype: str = "float32") -> list[float]:
     """core.reference.reference_run on the global batch (8 sequences)."""
     from core.reference import reference_run

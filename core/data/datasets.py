@@ -20,13 +20,15 @@ import os
 import random
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import torch
 
+from core.data.store import c4_offline_path
 from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
@@ -178,14 +180,12 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
 
 def _open_c4(path: str | None, split: str) -> DocumentSource:
     check_hub_reachable()
-    from datasets import load_dataset
+    from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
     return HFDocuments(load_dataset(path or C4_REPO, name="en", split=split, streaming=True))
 
 
 def _c4_offline_files(path: str | None, split: str) -> list[str]:
-    from core.data.assets import c4_offline_path
-
     root = Path(path) if path else c4_offline_path()
     en = root / "en" if (root / "en").is_dir() else root
     files = sorted(en.glob(f"c4-{split}.*.json.gz"))
@@ -201,7 +201,7 @@ def _c4_offline_files(path: str | None, split: str) -> list[str]:
 
 def _open_c4_offline(path: str | None, split: str) -> DocumentSource:
     files = _c4_offline_files(path, split)
-    from datasets import load_dataset
+    from datasets import load_dataset  # local: import cost, as above
 
     return HFDocuments(load_dataset("json", data_files=files, split="train", streaming=True))
 
@@ -292,7 +292,7 @@ class TokenWindowLoader:
         self._batches = 0
 
     # -- iteration ------------------------------------------------------------------------------
-    def __iter__(self) -> "TokenWindowLoader":
+    def __iter__(self) -> TokenWindowLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:

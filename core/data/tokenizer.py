@@ -11,14 +11,17 @@ Neither file is committed: `python -m core.data.assets` derives them into `asset
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
+from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import AbstractSet, Collection, Iterator, Literal, Sequence
+from typing import Literal
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+from core.data.store import file_sha256, llama3_tokenizer_path, proxy_tokenizer_path
 
 __all__ = [
     "LLAMA3_PAT_STR",
@@ -82,14 +85,6 @@ def llama3_special_token_names(n: int = NUM_SPECIAL_TOKENS) -> list[str]:
     ]
     reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(n - len(named))]
     return named + reserved
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _setup_command_for(path: Path) -> str:
@@ -270,8 +265,6 @@ def build_tokenizer(path: str | os.PathLike, sha256: str | None = None) -> Token
     if name == "byte":
         return ByteTokenizer()
     if name in ("llama3", "proxy", "proxy_bpe_4k"):
-        from core.data.assets import llama3_tokenizer_path, proxy_tokenizer_path
-
         if name == "llama3":
             return Tokenizer(llama3_tokenizer_path(), expected_sha256=sha256 or LLAMA3_TOKENIZER_SHA256)
         return Tokenizer(proxy_tokenizer_path(), expected_sha256=sha256)

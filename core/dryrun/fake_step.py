@@ -26,16 +26,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from core.build import build_model
-from core.config import pp_microbatches, stages_per_rank
 from core.dryrun.memory import GIB
+from core.models.args import model_args
 from core.noise import quiet_library_warnings
 from core.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims
 from core.parallel.parallelize import Toggles
 from core.parallel.pipeline import pipeline_order
+from core.parallel.stages import pp_microbatches, stages_per_rank
 from core.toggles.float8 import post_optimizer_hook
-from core.train import TrainStep, model_args, pipeline_loss
+from core.train import TrainStep, pipeline_loss
 
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:

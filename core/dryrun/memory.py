@@ -18,6 +18,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from core.models.args import model_args
+from core.parallel.stages import plan_stages, pp_microbatches, stage_ids_for_rank, stages_per_rank
+
 GIB = 2 ** 30
 
 # Peak reserved minus peak allocated of PyTorch's CUDA caching allocator: freed blocks stay
@@ -55,12 +58,10 @@ class Shapes:
 
 
 def _args(cfg):
-    from core.train import model_args
     return model_args(cfg, None)
 
 
 def microbatches(cfg) -> int:
-    from core.config import pp_microbatches
     p = cfg.parallelism
     return pp_microbatches(p, _args(cfg).n_layers) if p.pp > 1 else 1
 
@@ -240,7 +241,6 @@ def rank_stages(cfg) -> list[list[tuple[int, list[int]]]]:
     n_layers = _args(cfg).n_layers
     if p.pp == 1:
         return [[(0, list(range(n_layers)))]]
-    from core.parallel.pipeline import plan_stages, stage_ids_for_rank
     plan = plan_stages(cfg, n_layers)
     return [[(sid, plan[sid]) for sid in stage_ids_for_rank(r, p.pp, len(plan), p.pp_schedule)]
             for r in range(p.pp)]
@@ -392,13 +392,13 @@ def reserved(allocated_gib: float, gpu_gib: float = PAPER_GPU_GIB) -> float:
 @functools.lru_cache(maxsize=256)
 def _pipeline_order(schedule: str, pp: int, n_micro: int, spr: int):
     """The schedule's own action table (cached: the layout advisor asks for the same ones often)."""
-    from core.parallel.pipeline import pipeline_order
+    from core.parallel.pipeline import pipeline_order  # local: torch, needed only with pp > 1
     return pipeline_order(schedule, pp, n_micro, spr)
 
 
 def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
     """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak."""
-    from core.parallel.mesh import ParallelDims
+    from core.parallel.mesh import ParallelDims  # local: keeps `import core.dryrun.memory` torch-free
     args = _args(cfg)
     p = cfg.parallelism
     dims = ParallelDims.from_config(p)
@@ -412,7 +412,6 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
         sp = stage_params(args, args.n_layers, True, True, p.tp)
         per_rank.append(_simulate_flat(cfg, sp, lm, hm, shard, dims.fsdp_enabled))
     else:
-        from core.config import stages_per_rank
         n_micro = microbatches(cfg)
         table = _pipeline_order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))
         for r, stages in enumerate(placement):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from core.models.llama3 import (
+from core.models.args import (
     ROPE_HIGH_FREQ_FACTOR,
     ROPE_LOW_FREQ_FACTOR,
     ROPE_SCALING_FACTOR,

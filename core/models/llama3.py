@@ -28,93 +28,28 @@ lower precision comes from a mixed-precision policy (FSDP2), not from casting th
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
+# The arguments live in the torch-free core.models.args; re-exported here for the model's users.
+from core.models.args import (
+    FLAVORS,
+    LLAMA3_VOCAB_SIZE,
+    PROXY_VOCAB_SIZE,
+    ROPE_HIGH_FREQ_FACTOR,
+    ROPE_LOW_FREQ_FACTOR,
+    ROPE_SCALING_FACTOR,
+    ModelArgs,
+    get_args,
+    param_count,
+)
 
-# Llama 3.1 RoPE frequency scaling (the published constants); the original context length is a
-# ModelArgs field so a test can shrink it and make scaling matter at a short sequence length.
-ROPE_SCALING_FACTOR = 8.0
-ROPE_LOW_FREQ_FACTOR = 1.0
-ROPE_HIGH_FREQ_FACTOR = 4.0
-
-# Proxy flavors get their vocabulary from the tokenizer at build time; this is the default:
-# 4096 BPE merges + 256 special tokens.
-PROXY_VOCAB_SIZE = 4352
-LLAMA3_VOCAB_SIZE = 128256
-
-
-@dataclass
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: Optional[int] = None  # None -> n_heads (plain multi-head attention)
-    vocab_size: int = LLAMA3_VOCAB_SIZE
-    multiple_of: int = 256  # the FFN hidden size is rounded up to a multiple of this
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: bool = False  # Llama 3.1 frequency scaling (factor 8, low 1, high 4)
-    rope_original_max_seq_len: int = 8192  # the scaling's "original context length"
-    max_seq_len: int = 8192  # rows of freqs_cis; at least the training sequence length
-    depth_init: bool = True  # output-projection init std shrinks with the layer's depth
-
-    def __post_init__(self):
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """Meta's rule: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-
-FLAVORS: dict[str, ModelArgs] = {
-    # Small proxies (vocab set by the tokenizer at build time). n_kv_heads and the FFN hidden size
-    # divide by the tensor-parallel degrees the proxies use.
-    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                      multiple_of=32, max_seq_len=512),
-    "tiny4": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=32, max_seq_len=512),
-    # Eight stages for looped pipeline schedules at pp 4 x 2 stages per rank.
-    "tiny8": ModelArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=32, max_seq_len=512),
-    "debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=256, max_seq_len=2048),
-    "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=256, max_seq_len=2048),
-    # The published Llama 3.1 models (context length 128K).
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                    multiple_of=1024, ffn_dim_multiplier=1.3, rope_scaling=True, max_seq_len=131072),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                     multiple_of=4096, ffn_dim_multiplier=1.3, rope_scaling=True, max_seq_len=131072),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                      multiple_of=4096, ffn_dim_multiplier=1.2, rope_scaling=True, max_seq_len=131072),
-}
-
+__all__ = ["FLAVORS", "LLAMA3_VOCAB_SIZE", "PROXY_VOCAB_SIZE", "Attention", "FeedForward", "ModelArgs", "RMSNorm",
+           "ScaledDotProductAttention", "Transformer", "TransformerBlock", "apply_rope_scaling", "apply_rotary_emb",
+           "build_model", "count_params", "get_args", "precompute_freqs_cis", "repeat_kv"]
 
 # ----------------------------------------------------------------------------------------------
 # Rotary position embedding (Meta's interleaved layout: pairs (x0, x1), (x2, x3), ... are complex)
@@ -258,7 +193,7 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def init_weights(self, init_std: Optional[float] = None):
+    def init_weights(self, init_std: float | None = None):
         init_std = self.weight_init_std if init_std is None else init_std
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
@@ -285,7 +220,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def init_weights(self, buffer_device: Optional[Union[str, torch.device]] = None):
+    def init_weights(self, buffer_device: str | torch.device | None = None):
         """(Re)initialise every parameter and freqs_cis in place; works on a pipeline stage too.
 
         After ``to_empty`` the buffer holds garbage, so it is recomputed on ``buffer_device``
@@ -327,24 +262,7 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-def get_args(flavor_or_args: Union[str, ModelArgs], vocab_size: Optional[int] = None,
-             max_seq_len: Optional[int] = None) -> ModelArgs:
-    """A fresh ModelArgs for a flavor name (or a copy of the given args) with overrides applied."""
-    if isinstance(flavor_or_args, str):
-        if flavor_or_args not in FLAVORS:
-            raise KeyError(f"unknown flavor {flavor_or_args!r}; known: {sorted(FLAVORS)}")
-        args = FLAVORS[flavor_or_args]
-    else:
-        args = flavor_or_args
-    overrides = {}
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    if max_seq_len is not None:
-        overrides["max_seq_len"] = max_seq_len
-    return dataclasses.replace(args, **overrides)
-
-
-def count_params(model_or_args: Union[nn.Module, ModelArgs, str], exclude_embedding: bool = False) -> int:
+def count_params(model_or_args: nn.Module | ModelArgs | str, exclude_embedding: bool = False) -> int:
     """Number of parameters; ``exclude_embedding`` drops ``tok_embeddings`` (not ``output``).
 
     For ModelArgs (or a flavor name) the count is analytic; for a module it sums what the module
@@ -357,19 +275,12 @@ def count_params(model_or_args: Union[nn.Module, ModelArgs, str], exclude_embedd
         if exclude_embedding and emb is not None:
             total -= emb.weight.numel()
         return total
-    a = get_args(model_or_args)
-    kv_dim = a.n_kv_heads * a.head_dim
-    attention = a.dim * a.dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
-    ffn = 3 * a.dim * a.ffn_hidden_dim
-    per_layer = attention + ffn + 2 * a.dim  # + two norms
-    embedding = a.vocab_size * a.dim
-    total = embedding + a.n_layers * per_layer + a.dim + a.vocab_size * a.dim  # + norm, output
-    return total - embedding if exclude_embedding else total
+    return param_count(model_or_args, exclude_embedding)
 
 
-def build_model(flavor_or_args: Union[str, ModelArgs], vocab_size: Optional[int] = None,
-                max_seq_len: Optional[int] = None,
-                device: Union[str, torch.device] = "meta") -> Transformer:
+def build_model(flavor_or_args: str | ModelArgs, vocab_size: int | None = None,
+                max_seq_len: int | None = None,
+                device: str | torch.device = "meta") -> Transformer:
     """Construct a Transformer on ``device``. On "meta" nothing is allocated: call
     ``to_empty(device=...)`` and ``init_weights()`` after parallelising. On a real device the
     weights are initialised here."""

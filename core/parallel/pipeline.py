@@ -18,16 +18,20 @@ accumulation steps) and the schedule divides the accumulated gradients by the mi
 from __future__ import annotations
 
 import copy
-import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from core.config import (PP_SCHEDULES, PP_SCHEDULES_SINGLE, ConfigError, JobConfig, pp_microbatches,
-                         stages_per_rank)
-
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # stage s and 2 pp - 1 - s share a rank
+from core.config import ConfigError, JobConfig
+from core.parallel.stages import (
+    PP_SCHEDULES,
+    PP_SCHEDULES_SINGLE,
+    default_stages_per_rank,
+    plan_stages,
+    pp_microbatches,
+    stage_ids_for_rank,
+)
 
 # Costs of one microbatch on one stage, in units of a forward (stated, hardware independent):
 # a full backward costs two forwards; zero-bubble schedules split it into an input-gradient
@@ -58,67 +62,7 @@ def schedule_class(name: str) -> type:
                           f"(it offers: {', '.join(library_schedules())})") from None
 
 
-def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
-    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
-    style = "v" if schedule in V_SCHEDULES else "loop"
-    return generate_rank_to_stage_mapping(pp, n_stages, style=style)[pp_rank]
-
-
 # ------------------------------------------------------------------------------------ splitting
-def split_layers(n_layers: int, n_stages: int, layers_per_stage: int = 0,
-                 split_points: Sequence[int] = ()) -> list[list[int]]:
-    """Layer indices of each stage. Raises ConfigError naming the key when it cannot be done.
-
-    - split_points: the first layer of stages 1 .. n-1 (strictly increasing);
-    - layers_per_stage L: every stage holds L layers except the last and first, which give up
-      the shortfall n_stages * L - n_layers (they also carry the output / the embedding);
-    - otherwise evenly, the remainder going to the middle stages first.
-    Every stage holds at least one layer.
-    """
-    if n_stages > n_layers:
-        raise ConfigError(f"parallelism.pp: {n_stages} pipeline stages exceed the model's {n_layers} layers")
-    if split_points:
-        pts = list(split_points)
-        if len(pts) != n_stages - 1:
-            raise ConfigError(f"parallelism.pp_split_points: {len(pts)} split points for {n_stages} stages "
-                              f"(need {n_stages - 1})")
-        bounds = [0, *pts, n_layers]
-        if any(b >= e for b, e in zip(bounds, bounds[1:])):
-            raise ConfigError(f"parallelism.pp_split_points: {pts} must increase strictly within "
-                              f"1..{n_layers - 1}")
-        return [list(range(b, e)) for b, e in zip(bounds, bounds[1:])]
-    if layers_per_stage:
-        short = n_stages * layers_per_stage - n_layers
-        last_short, first_short = (short + 1) // 2, short // 2
-        if short < 0 or max(last_short, first_short) >= layers_per_stage:
-            raise ConfigError(
-                f"parallelism.pp_layers_per_stage: {layers_per_stage} layers x {n_stages} stages cannot "
-                f"hold {n_layers} layers with at least one layer on every stage")
-        sizes = [layers_per_stage] * n_stages
-        sizes[-1] -= last_short
-        sizes[0] -= first_short
-    else:
-        base, extra = divmod(n_layers, n_stages)
-        sizes = [base] * n_stages
-        order = list(range(1, n_stages - 1)) + [0, n_stages - 1]  # middle stages first
-        for i in order[:extra]:
-            sizes[i] += 1
-    out, start = [], 0
-    for n in sizes:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def num_stages(cfg: JobConfig, n_layers: int) -> int:
-    return cfg.parallelism.pp * stages_per_rank(cfg.parallelism, n_layers)
-
-
-def plan_stages(cfg: JobConfig, n_layers: int) -> list[list[int]]:
-    p = cfg.parallelism
-    return split_layers(n_layers, num_stages(cfg, n_layers), p.pp_layers_per_stage, p.pp_split_points)
-
-
 def stage_module(model: nn.Module, stage_id: int, layers: list[int], n_stages: int) -> nn.Module:
     """A deep copy of `model` holding only `layers` (FQNs unchanged)."""
     part = copy.deepcopy(model)
@@ -320,7 +264,7 @@ def bubble_fraction(schedule_name: str, pp: int, n_microbatches: int, stages_per
     1F1B and GPipe give (pp - 1) / (m + pp - 1); interleaving v stages per rank divides the
     fill/drain by about v."""
     if stages_per_rank is None:
-        stages_per_rank = 1 if schedule_name in PP_SCHEDULES_SINGLE else 2
+        stages_per_rank = default_stages_per_rank(schedule_name)
     table = pipeline_order(schedule_name, pp, n_microbatches, stages_per_rank)
     return simulate(table, pp * stages_per_rank, costs)["bubble_fraction"]
 
@@ -355,6 +299,7 @@ def bubble_rows(schedules: Sequence[str], pps: Sequence[int], microbatches: Sequ
 def main(argv: list[str] | None = None) -> int:
     """`python -m core.parallel.pipeline --pp 8 --microbatches 8 32` prints bubble fractions."""
     import argparse
+
     from tabulate import tabulate
     ap = argparse.ArgumentParser(description="ideal pipeline bubble fraction per schedule")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 8])

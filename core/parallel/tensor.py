@@ -17,8 +17,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from core.config import JobConfig
 
@@ -50,8 +55,11 @@ def tp_styles(model: nn.Module, cfg: JobConfig, toggles=None):
         if toggles is not None:
             toggles.skip("float8_tp", reason)
         return plain
-    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
-                                                       PrepareFloat8ModuleInput)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
     if toggles is not None:
         toggles.apply("float8_tp")
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
