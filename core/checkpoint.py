@@ -22,6 +22,10 @@ What is saved (DCP flattens the nested keys):
                                      rank's copy resumes any DP degree)
     rng.rank_<R>                     torch RNG state of global rank R (restored on the same layout)
 
+The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, data loader, a
+`TrainState`) and restores them in place; folder and file checks and the single-process tools
+live in core/checkpoint_files.py.
+
 CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
 `ls FOLDER`.
 """

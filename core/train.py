@@ -171,9 +171,6 @@ class Trainer:
     def step(self) -> int:
         return self.train_state.step
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.step_fn.forward_backward(inputs, labels)
-
     def _local_state_bytes(self) -> dict:
         """Bytes this rank holds of parameters and optimizer state (its shards only)."""
         params = sum(_local_bytes(p) for m in self.model_parts for p in m.parameters())
@@ -199,7 +196,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            micro_loss = self.forward_backward(inputs, labels)
+            micro_loss = self.step_fn.forward_backward(inputs, labels)
             if hasattr(micro_loss, "full_tensor"):  # loss parallel: a replicated DTensor
                 micro_loss = micro_loss.full_tensor()
             loss += micro_loss
