@@ -23,7 +23,7 @@ KNOWN_NOISE = (
     ("torch.distributed.device_mesh", "It seems like pickling/unpickling of the DeviceMesh",
      "DCP's checkpoint process unpickles DTensors without the training groups; it never compiles"),
     ("torch.distributed.tensor._redistribute", "While redistributing from (_NormPartial",
-     "the gradient norm of FSDP x TP reduced as two scalar all-reduces (one per mesh dim) once a step"),
+     "the dry-run fake step's FSDP x TP gradient norm: two scalar all-reduces, one per mesh dim"),
     ("root", "Initializing dist.ProcessGroup in checkpoint background process",
      "DCP's checkpoint process (async_with_pinned_mem) reporting its start-up and every request"),
     ("root", "Checkpoint background process is running", "as above"),
