@@ -2,156 +2,197 @@
 
 Every check that can be made before a process is spawned is made here, and each failure is a
 one-line `ConfigError` naming the key. No `eval`: override values are parsed as TOML literals.
+Enum-like fields are `Literal[...]` types, checked from the annotation (`check_choices`); every
+field carries a one-line doc (`field_docs()`). `validate()` returns a checked copy.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tomllib
 
 from core.errors import ConfigError
 from core.models.args import FLAVORS
-from core.parallel.stages import PP_SCHEDULES, check_pipeline
+from core.parallel.stages import PPSchedule, check_pipeline
+
+# ------------------------------------------------------------------------------- enum-like fields
+# Checked generically from these annotations (`check_choices`); the error lists the valid values.
+# Every field carries a one-line doc in its metadata (`field_docs()`).
+Mode = Literal["real", "proxy", "dry-run"]
+RopeScaling = Literal["default", "on", "off"]
+DatasetKind = Literal["c4", "c4_offline", "synthetic"]
+DType = Literal["float32", "bfloat16"]
+OptimizerName = Literal["AdamW", "Adam", "SGD"]
+DecayType = Literal["linear", "cosine", "none"]
+Reshard = Literal["default", "always", "never"]
+CPRotate = Literal["allgather", "alltoall"]
+ACMode = Literal["none", "full", "selective"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
+DTYPES: tuple[str, ...] = typing.get_args(DType)
 
 
 @dataclass
 class Job:
-    name: str = "job"
-    output_dir: str = "runs/job"
-    seed: int = 0
-    deterministic: bool = False  # torch.use_deterministic_algorithms
-    recipe: str = ""  # the recipe row id this job runs, if any (copied into the result record)
-    mode: str = "proxy"  # real | proxy (dry-run never reaches the trainer)
+    name: str = field(default="job", metadata={"doc": "the run's name, in logs and records"})
+    output_dir: str = field(default="runs/job", metadata={"doc": "folder of the run's metrics, checkpoints and record"})
+    seed: int = field(default=0, metadata={"doc": "seed of the weights' init and the data order"})
+    deterministic: bool = field(default=False, metadata={"doc": "torch.use_deterministic_algorithms"})
+    recipe: str = field(default="",
+                        metadata={"doc": "the recipe row id this job runs, if any (copied into the result record)"})
+    mode: Mode = field(default="proxy",
+                       metadata={"doc": "real | proxy | dry-run (a dry-run never reaches the trainer)"})
 
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # a key of core.models.args.FLAVORS
-    vocab_size: int = 0  # 0: take the tokenizer's n_words (proxy flavors); real flavors keep 128256
-    rope_scaling: str = "default"  # default (the flavor's) | on | off
+    flavor: str = field(default="debug", metadata={"doc": "a key of core.models.args.FLAVORS"})
+    vocab_size: int = field(default=0,
+                            metadata={"doc": "0: the tokenizer's n_words (proxy flavors); real ones keep 128256"})
+    rope_scaling: RopeScaling = field(default="default",
+                                      metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"})
 
 
 @dataclass
 class Tokenizer:
-    path: str = "assets/tokenizer/proxy_bpe_4k/tokenizer.model"
-    sha256: str = ""  # checked when set
+    path: str = field(default="assets/tokenizer/proxy_bpe_4k/tokenizer.model", metadata={"doc": "tiktoken BPE file"})
+    sha256: str = field(default="", metadata={"doc": "checked when set"})
 
 
 @dataclass
 class Data:
-    dataset: str = "c4_offline"  # c4 | c4_offline | synthetic
-    path: str = "assets/c4_offline"  # local corpus (c4_offline)
+    dataset: DatasetKind = field(default="c4_offline",
+                                 metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"})
+    path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline)"})
 
 
 @dataclass
 class Training:
-    steps: int = 10
-    local_batch_size: int = 8
-    seq_len: int = 256
-    grad_accum_steps: int = 1
-    max_norm: float = 1.0  # grad-norm clipping; <= 0 disables
-    mixed_precision_param: str = "float32"  # bfloat16 | float32 (FSDP2 param dtype for compute)
-    mixed_precision_reduce: str = "float32"  # gradient reduction dtype
-    dataset_infinite: bool = True
+    steps: int = field(default=10, metadata={"doc": "optimizer steps"})
+    local_batch_size: int = field(default=8, metadata={"doc": "sequences per data-parallel rank and step"})
+    seq_len: int = field(default=256, metadata={"doc": "tokens per sequence"})
+    grad_accum_steps: int = field(default=1, metadata={"doc": "microsteps accumulated per optimizer step"})
+    max_norm: float = field(default=1.0, metadata={"doc": "grad-norm clipping; <= 0 disables"})
+    mixed_precision_param: DType = field(default="float32",
+                                         metadata={"doc": "FSDP2 param dtype for compute: bfloat16 | float32"})
+    mixed_precision_reduce: DType = field(default="float32", metadata={"doc": "gradient reduction dtype"})
+    dataset_infinite: bool = field(default=True, metadata={"doc": "restart the dataset when it ends"})
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
-    lr: float = 3e-4
-    eps: float = 1e-8
-    beta1: float = 0.9
-    beta2: float = 0.95
-    weight_decay: float = 0.1
+    name: OptimizerName = field(default="AdamW", metadata={"doc": "AdamW | Adam | SGD"})
+    lr: float = field(default=3e-4, metadata={"doc": "peak learning rate"})
+    eps: float = field(default=1e-8, metadata={"doc": "Adam epsilon"})
+    beta1: float = field(default=0.9, metadata={"doc": "Adam beta1"})
+    beta2: float = field(default=0.95, metadata={"doc": "Adam beta2"})
+    weight_decay: float = field(default=0.1, metadata={"doc": "decoupled weight decay"})
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 2
-    decay_type: str = "linear"  # linear | cosine | none
-    min_lr_factor: float = 0.0
+    warmup_steps: int = field(default=2, metadata={"doc": "linear warm-up steps"})
+    decay_type: DecayType = field(default="linear", metadata={"doc": "after warm-up: linear | cosine | none"})
+    min_lr_factor: float = field(default=0.0, metadata={"doc": "the decay's floor, as a fraction of lr"})
 
 
 @dataclass
 class Parallelism:
-    dp_replicate: int = 1  # HSDP replicas (> 1 with dp_shard > 1 gives HSDP)
-    dp_shard: int = -1  # FSDP degree; -1 fills the world left by the others
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    loss_parallel: bool = True  # only used when tp > 1
-    enable_async_tp: bool = False
-    fsdp_reshard_after_forward: str = "default"  # default | always | never
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0  # 0: one per stage
-    pp_layers_per_stage: int = 0  # 0: split layers evenly over pp * stages_per_rank stages
-    pp_stages_per_rank: int = 0  # 0: 1 for single-stage schedules, 2 for looped ones
-    pp_split_points: list[int] = field(default_factory=list)  # first layer of stages 1.. (overrides the above)
-    cp_rotate_method: str = "allgather"  # allgather | alltoall
-    world_size: int = 0  # 0: taken from the launcher (WORLD_SIZE) or the product of degrees
+    dp_replicate: int = field(default=1, metadata={"doc": "HSDP replicas (> 1 with dp_shard > 1 gives HSDP)"})
+    dp_shard: int = field(default=-1, metadata={"doc": "FSDP degree; -1 fills the world left by the others"})
+    tp: int = field(default=1, metadata={"doc": "tensor (+ sequence) parallel degree"})
+    pp: int = field(default=1, metadata={"doc": "pipeline parallel degree"})
+    cp: int = field(default=1, metadata={"doc": "context parallel degree"})
+    loss_parallel: bool = field(default=True,
+                                metadata={"doc": "vocabulary-sharded cross-entropy (only used when tp > 1)"})
+    enable_async_tp: bool = field(default=False,
+                                  metadata={"doc": "AsyncTP: overlap TP collectives with matmuls (needs compile)"})
+    fsdp_reshard_after_forward: Reshard = field(default="default", metadata={"doc": "default | always | never"})
+    pp_schedule: PPSchedule = field(default="1F1B", metadata={"doc": "a torch.distributed.pipelining schedule"})
+    pp_microbatches: int = field(default=0, metadata={"doc": "0: one per stage"})
+    pp_layers_per_stage: int = field(default=0,
+                                     metadata={"doc": "0: split layers evenly over pp * stages_per_rank stages"})
+    pp_stages_per_rank: int = field(default=0, metadata={"doc": "0: 1 for single-stage schedules, 2 for looped ones"})
+    pp_split_points: list[int] = field(default_factory=list,
+                                       metadata={"doc": "first layer of stages 1.. (overrides the above)"})
+    cp_rotate_method: CPRotate = field(default="allgather",
+                                       metadata={"doc": "how ring attention passes k/v: allgather | alltoall"})
+    world_size: int = field(default=0,
+                            metadata={"doc": "0: taken from the launcher (WORLD_SIZE) or the product of degrees"})
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | full | selective
-    selective_ac_option: str = "op"  # "op", or an integer k: checkpoint every k-th block
-    # op SAC: recompute every second matmul instead of saving it (torchtitan's policy, the paper's)
-    save_every_other_mm: bool = False
+    mode: ACMode = field(default="none", metadata={"doc": "none | full | selective"})
+    selective_ac_option: str = field(default="op",
+                                     metadata={"doc": '"op", or an integer k: checkpoint every k-th block'})
+    save_every_other_mm: bool = field(default=False,
+                                      metadata={"doc": "op SAC: recompute every second matmul (torchtitan's policy)"})
 
 
 @dataclass
 class Compile:
-    enabled: bool = False
-    backend: str = "inductor"
-    fullgraph: bool = True
-    # Round fused bf16 intermediates as eager does (inductor keeps them in fp32): for parity checks.
-    emulate_precision_casts: bool = False
+    enabled: bool = field(default=False, metadata={"doc": "torch.compile each transformer block"})
+    backend: CompileBackend = field(default="inductor", metadata={"doc": "inductor | aot_eager | eager"})
+    fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
+    emulate_precision_casts: bool = field(default=False,
+                                          metadata={"doc": "round fused bf16 values as eager does (for parity checks)"})
 
 
 @dataclass
 class Float8:
-    enabled: bool = False
-    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp
-    enable_fsdp_float8_all_gather: bool = False
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    emulate: bool = False  # torchao's emulation where the hardware lacks float8 matmuls
+    enabled: bool = field(default=False, metadata={"doc": "Float8 linears (torchao)"})
+    recipe: Float8Recipe = field(default="tensorwise",
+                                 metadata={"doc": "scaling: tensorwise | rowwise | rowwise_with_gw_hp"})
+    enable_fsdp_float8_all_gather: bool = field(default=False,
+                                                metadata={"doc": "all-gather FSDP parameters in float8 (tensorwise)"})
+    precompute_float8_dynamic_scale_for_fsdp: bool = field(default=False,
+                                                           metadata={"doc": "one amax all-reduce for all parameters"})
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"],
+                                   metadata={"doc": "linears left in high precision"})
+    emulate: bool = field(default=False,
+                          metadata={"doc": "torchao's emulation where the hardware lacks float8 matmuls"})
 
 
 @dataclass
 class Checkpoint:
-    enabled: bool = False
-    folder: str = "checkpoint"  # under job.output_dir
-    interval: int = 500
-    keep_latest_k: int = 0  # 0 keeps all
-    async_mode: str = "disabled"  # disabled | async | async_with_pinned_mem
-    model_weights_only: bool = False  # the last save keeps the model only
-    export_dtype: str = "float32"
-    create_seed_checkpoint: bool = False
-    load_step: int = -1  # -1: the latest complete checkpoint, if any
-    resume_from: str = ""  # a checkpoint folder to load instead of our own
+    enabled: bool = field(default=False, metadata={"doc": "save DCP checkpoints"})
+    folder: str = field(default="checkpoint", metadata={"doc": "under job.output_dir"})
+    interval: int = field(default=500, metadata={"doc": "steps between saves"})
+    keep_latest_k: int = field(default=0, metadata={"doc": "0 keeps all"})
+    async_mode: AsyncMode = field(default="disabled", metadata={"doc": "disabled | async | async_with_pinned_mem"})
+    model_weights_only: bool = field(default=False, metadata={"doc": "the last save keeps the model only"})
+    export_dtype: DType = field(default="float32", metadata={"doc": "dtype of a model-only save"})
+    create_seed_checkpoint: bool = field(default=False, metadata={"doc": "save the initial weights and stop"})
+    load_step: int = field(default=-1, metadata={"doc": "-1: the latest complete checkpoint, if any"})
+    resume_from: str = field(default="", metadata={"doc": "a checkpoint folder to load instead of our own"})
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 1
-    enable_tensorboard: bool = False
-    peak_flops: float = 0.0  # 0: from the device table (CUDA) or the measured CPU matmul peak
-    progress: bool = True
+    log_freq: int = field(default=1, metadata={"doc": "steps between log lines"})
+    enable_tensorboard: bool = field(default=False, metadata={"doc": "also write TensorBoard events"})
+    peak_flops: float = field(default=0.0,
+                              metadata={"doc": "0: from the device table (CUDA) or the measured CPU matmul peak"})
+    progress: bool = field(default=True, metadata={"doc": "a progress bar on rank 0"})
 
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300  # first step (compile, lazy init) may be slow
-    train_timeout_seconds: int = 100  # after the first step
-    trace_buf_size: int = 0  # Flight Recorder entries (TORCH_FR_BUFFER_SIZE); 0 disables
-    fr_dump_folder: str = "comm_traces"  # under job.output_dir
+    init_timeout_seconds: int = field(default=300, metadata={"doc": "first step (compile, lazy init) may be slow"})
+    train_timeout_seconds: int = field(default=100, metadata={"doc": "after the first step"})
+    trace_buf_size: int = field(default=0,
+                                metadata={"doc": "Flight Recorder entries (TORCH_FR_BUFFER_SIZE); 0 disables"})
+    fr_dump_folder: str = field(default="comm_traces", metadata={"doc": "under job.output_dir"})
 
 
 @dataclass
@@ -178,15 +219,27 @@ class JobConfig:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
 
 
+def field_docs() -> dict[str, str]:
+    """"section.key" -> the field's one-line doc, for every key of the config."""
+    out = {}
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(_section_class(section.name)):
+            out[f"{section.name}.{f.name}"] = f.metadata.get("doc", "")
+    return out
+
+
 # ----------------------------------------------------------------------------------- loading
+_hints = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
 def _section_class(name: str):
-    hints = typing.get_type_hints(JobConfig)
+    hints = _hints(JobConfig)
     return hints[name]
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Check a value against the dataclass field type; ints are accepted for floats."""
     origin = typing.get_origin(typ)
+    if origin is Literal:  # a string here; validate() checks the value (check_choices)
+        typ = str
     if origin is list:
         (item,) = typing.get_args(typ)
         if not isinstance(value, list):
@@ -219,7 +272,7 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], source: str = "config") -> 
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a table of keys in {source}, got {values!r}")
         obj = getattr(cfg, section)
-        hints = typing.get_type_hints(type(obj))
+        hints = _hints(type(obj))
         for key, value in values.items():
             if key not in hints:
                 raise ConfigError(
@@ -279,17 +332,22 @@ def save_config(cfg: JobConfig, path: str | os.PathLike) -> None:
 
 
 # -------------------------------------------------------------------------------- validation
-DTYPES = ("float32", "bfloat16")
-
-
 def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise ConfigError(f"{key}: {value!r} is not one of: {', '.join(valid)}")
 
 
-def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
-    """Fill dp_shard=-1 and check the degrees multiply to the world size. Returns the world size."""
-    p = cfg.parallelism
+def check_choices(cfg: JobConfig) -> None:
+    """Every `Literal[...]`-typed field against its annotation, in the config's field order."""
+    for section in dataclasses.fields(JobConfig):
+        obj = getattr(cfg, section.name)
+        for key, typ in _hints(type(obj)).items():
+            if typing.get_origin(typ) is Literal:
+                _one_of(f"{section.name}.{key}", getattr(obj, key), typing.get_args(typ))
+
+
+def _degrees(p: Parallelism, world_size: int | None) -> tuple[int, int]:
+    """(dp_shard with -1 filled, world size); ConfigError when the degrees do not fit the world."""
     for key in ("dp_replicate", "tp", "pp", "cp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
@@ -297,26 +355,30 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
         raise ConfigError(f"parallelism.dp_shard: must be >= 1 or -1 (fill), got {p.dp_shard}")
     world = world_size or p.world_size or 0
     others = p.dp_replicate * p.tp * p.pp * p.cp
-    if p.dp_shard == -1:
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
         if not world:
             world = others  # nothing to fill from: dp_shard = 1
         if world % others:
             raise ConfigError(
                 f"parallelism: dp_replicate*tp*pp*cp = {others} does not divide the world size {world}")
-        p.dp_shard = world // others
-    product = others * p.dp_shard
+        dp_shard = world // others
+    product = others * dp_shard
     if world and product != world:
         raise ConfigError(
-            f"parallelism: dp_replicate({p.dp_replicate}) * dp_shard({p.dp_shard}) * cp({p.cp}) * "
+            f"parallelism: dp_replicate({p.dp_replicate}) * dp_shard({dp_shard}) * cp({p.cp}) * "
             f"tp({p.tp}) * pp({p.pp}) = {product}, not the world size {world}")
-    p.world_size = product
-    return product
+    return dp_shard, product
+
+
+def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
+    """The world size the degrees give (dp_shard = -1 filled from `world_size`); cfg is not changed."""
+    return _degrees(cfg.parallelism, world_size)[1]
 
 
 def _validate_toggles(cfg: JobConfig) -> None:
     """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.optim.hardware)."""
     f, p = cfg.float8, cfg.parallelism
-    _one_of("compile.backend", cfg.compile.backend, ("inductor", "aot_eager", "eager"))
     if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
         raise ConfigError(f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "
                           f"(one scale per tensor), got {f.recipe!r}")
@@ -330,28 +392,17 @@ def _validate_toggles(cfg: JobConfig) -> None:
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
-    """Every check that needs no process group. Raises ConfigError naming the key."""
-    t, p = cfg.training, cfg.parallelism
+    """Every check that needs no process group; ConfigError naming the key. Returns a checked copy
+    with the world resolved (parallelism.dp_shard = -1 filled, parallelism.world_size set); `cfg`
+    itself is not changed."""
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor: {cfg.model.flavor!r} is not one of: {', '.join(FLAVORS)}")
-    _one_of("model.rope_scaling", cfg.model.rope_scaling, ("default", "on", "off"))
-    _one_of("data.dataset", cfg.data.dataset, ("c4", "c4_offline", "synthetic"))
-    _one_of("training.mixed_precision_param", t.mixed_precision_param, DTYPES)
-    _one_of("training.mixed_precision_reduce", t.mixed_precision_reduce, DTYPES)
-    _one_of("optimizer.name", cfg.optimizer.name, ("AdamW", "Adam", "SGD"))
-    _one_of("lr_scheduler.decay_type", cfg.lr_scheduler.decay_type, ("linear", "cosine", "none"))
-    _one_of("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
-            ("default", "always", "never"))
-    _one_of("parallelism.pp_schedule", p.pp_schedule, PP_SCHEDULES)
-    _one_of("parallelism.cp_rotate_method", p.cp_rotate_method, ("allgather", "alltoall"))
-    _one_of("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
+    check_choices(cfg)
     sac = cfg.activation_checkpoint.selective_ac_option
     if sac != "op" and not (sac.isdigit() and int(sac) >= 1):
         raise ConfigError(f"activation_checkpoint.selective_ac_option: {sac!r} must be 'op' or an integer >= 1")
-    _one_of("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     _validate_toggles(cfg)
-    _one_of("checkpoint.async_mode", cfg.checkpoint.async_mode, ("disabled", "async", "async_with_pinned_mem"))
-    _one_of("checkpoint.export_dtype", cfg.checkpoint.export_dtype, DTYPES)
+    t = cfg.training
     for key in ("steps", "local_batch_size", "seq_len", "grad_accum_steps"):
         if getattr(t, key) < 1:
             raise ConfigError(f"training.{key}: must be >= 1, got {getattr(t, key)}")
@@ -375,7 +426,10 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
 
-    resolve_world_size(cfg, world_size)
+    dp_shard, world = _degrees(cfg.parallelism, world_size)
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
+    t, p = cfg.training, cfg.parallelism
+    p.dp_shard, p.world_size = dp_shard, world
     args = FLAVORS[cfg.model.flavor]
     if args.n_heads % p.tp:
         raise ConfigError(f"parallelism.tp: {p.tp} does not divide model n_heads {args.n_heads} ({cfg.model.flavor})")
@@ -392,8 +446,6 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     if p.tp > 1 and p.cp > 1 and (t.seq_len // p.cp) % p.tp:
         raise ConfigError(f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
                           f"tp {p.tp} (sequence parallel inside context parallel)")
-    if t.seq_len > args.max_seq_len and cfg.model.flavor not in ("8B", "70B", "405B"):
-        pass  # proxy flavors size their RoPE table from training.seq_len at build time
     if check_files:
         if cfg.data.dataset == "c4_offline" and not Path(cfg.data.path).exists():
             raise ConfigError(

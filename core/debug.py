@@ -27,12 +27,14 @@ import datetime
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 FR_PREFIX = "rank_"
 PAUSE_ENV = "TITAN_DEBUG_PAUSE"
@@ -42,7 +44,6 @@ PAUSE_ENV = "TITAN_DEBUG_PAUSE"
 def set_pg_timeouts(seconds: float, exclude=()) -> int:
     """Set the timeout of every process group this rank belongs to (except `exclude`).
     Returns how many groups were changed."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
     timeout = datetime.timedelta(seconds=seconds)
     skip = {id(g) for g in exclude if g is not None}
     n = 0
@@ -83,7 +84,6 @@ def setup_flight_recorder(cfg) -> Path | None:
 
 def _pg_config() -> dict:
     """{group name: {name, desc, ranks}} of every group, the table gloo dumps leave empty."""
-    from torch.distributed.distributed_c10d import _world
     out = {}
     for pg in list(_world.pg_map):
         try:
@@ -102,7 +102,7 @@ def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
         return None
     try:
         return _dump(cfg, reason)
-    except Exception as e:  # never hide the failure that led here
+    except Exception as e:  # noqa: BLE001 -- never hide the failure that led here
         print(f"[debug] Flight Recorder dump failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
 
@@ -201,9 +201,8 @@ def format_report(report: dict, traces: dict[int, dict]) -> str:
 def torchfrtrace(folder: str | os.PathLike, *extra: str) -> str:
     """Run torch's own analyser (`torchfrtrace`) on a dump folder; returns what it printed.
     (A subprocess: its logger holds on to the stdout it found at import.)"""
-    import subprocess
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder),
-                           "--prefix", FR_PREFIX, *extra], capture_output=True, text=True, timeout=600)
+                           "--prefix", FR_PREFIX, *extra], capture_output=True, text=True, timeout=600, check=False)
     return proc.stdout + proc.stderr
 
 

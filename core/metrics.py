@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import time
 from pathlib import Path
@@ -72,7 +73,6 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
-    import platform
     return {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
             "peak_flops": None, "peak_source": "measured bf16 matmul"}
 
@@ -93,10 +93,10 @@ class MetricsLogger:
         self.tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(out_dir / "metrics.jsonl", "a")
+            self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 -- open for the run, closed by close()
             if enable_tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter
+                    from torch.utils.tensorboard import SummaryWriter  # local: optional dependency
                     self.tb = SummaryWriter(str(out_dir / "tb"))
                 except ImportError:
                     print("[metrics] tensorboard is not installed: logging to JSONL only", flush=True)

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_warnings()
     try:
         cfg = parse_args(argv)
-        validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+        cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
         check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

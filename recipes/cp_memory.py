@@ -33,7 +33,7 @@ def _worker(out: str, overrides: list[str]) -> int:
     from core.train import Trainer, init_distributed
 
     cfg = load_config(None, overrides)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), check_files=False)
+    cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)), check_files=False)
     init_distributed(cfg)
     try:
         trainer = Trainer(cfg)

@@ -61,7 +61,7 @@ def resolve_config(recipe: Recipe, mode: str, overrides: list[str] | tuple[str, 
         section, key, value = parse_override(text)
         apply_dict(cfg, {section: {key: value}}, "--set")
     _resolve_paths(cfg)
-    validate(cfg, check_files=check_files)
+    cfg = validate(cfg, check_files=check_files)
     return cfg
 
 

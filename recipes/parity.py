@@ -165,7 +165,7 @@ def reference(layout: Layout, dtype: str) -> dict:
     key = (layout.flavor, dtype, mode)
     if key not in _REFERENCE_CACHE:
         cfg = load_config(None, Layout("ref", flavor=layout.flavor).overrides(dtype))
-        validate(cfg, 1, check_files=False)
+        cfg = validate(cfg, 1, check_files=False)
         _REFERENCE_CACHE[key] = reference_run(cfg, bf16=mode if dtype == "bf16" else "autocast")
     return _REFERENCE_CACHE[key]
 
@@ -261,8 +261,7 @@ def _worker(spec: str) -> int:
 
     jobs = json.loads(Path(spec).read_text())
     cfgs = [load_config(None, job["overrides"]) for job in jobs]
-    for cfg in cfgs:
-        validate(cfg, dist_world_size(), check_files=False)
+    cfgs = [validate(cfg, dist_world_size(), check_files=False) for cfg in cfgs]
     init_distributed(cfgs[0])
     try:
         for job, cfg in zip(jobs, cfgs):

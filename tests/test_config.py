@@ -1,9 +1,22 @@
 """Config loading, overrides and the validation that happens before anything is spawned."""
+import copy
+import dataclasses
 import json
+import typing
 
 import pytest
 
-from core.config import ConfigError, JobConfig, load_config, parse_override, validate
+from core.config import (
+    ConfigError,
+    JobConfig,
+    check_choices,
+    field_docs,
+    load_config,
+    parse_override,
+    resolve_world_size,
+    validate,
+)
+from core.parallel.stages import PP_SCHEDULES
 
 pytestmark = pytest.mark.core
 
@@ -63,7 +76,8 @@ BAD = [
     (["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=0"],
      "activation_checkpoint.selective_ac_option"),
     (["float8.recipe=e5m2"], "float8.recipe"),
-    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"], "parallelism.tp"),
+    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"],
+     "parallelism.tp"),
     (["parallelism.tp=16", "model.flavor=debug", "parallelism.dp_shard=1"], "parallelism.tp"),  # 8 kv heads
     (["parallelism.pp=4", "model.flavor=tiny", "parallelism.dp_shard=1"], "parallelism.pp"),  # 2 layers
     (["parallelism.pp=2", "parallelism.pp_microbatches=1", "model.flavor=tiny4",
@@ -112,3 +126,49 @@ def test_missing_config_file(tmp_path):
     bad.write_text("[training\nsteps=")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(str(bad))
+
+
+def _choice_fields():
+    """("section.key", valid values) of every Literal-typed field of the config."""
+    out = []
+    for section in dataclasses.fields(JobConfig):
+        for key, typ in typing.get_type_hints(type(getattr(JobConfig(), section.name))).items():
+            if typing.get_origin(typ) is typing.Literal:
+                out.append((f"{section.name}.{key}", typing.get_args(typ)))
+    return out
+
+
+def test_enum_fields_are_checked_from_their_type():
+    fields = dict(_choice_fields())
+    assert len(fields) >= 15
+    assert fields["parallelism.pp_schedule"] == PP_SCHEDULES
+    assert fields["job.mode"] == ("real", "proxy", "dry-run")
+    for key, valid in fields.items():
+        with pytest.raises(ConfigError) as e:
+            _cfg([f'{key}="no_such_value"'])
+        msg = str(e.value)
+        assert msg.startswith(f"{key}: 'no_such_value' is not one of: ") and "\n" not in msg
+        assert all(v in msg for v in valid)
+        for v in valid:  # each listed value passes the check
+            cfg = load_config(None, [f'{key}="{v}"'])
+            check_choices(cfg)
+
+
+def test_validate_returns_a_new_config_and_leaves_its_input_alone():
+    cfg = load_config(None, ["parallelism.tp=2"])
+    before = copy.deepcopy(cfg.to_dict())
+    out = validate(cfg, 8, check_files=False)
+    assert cfg.to_dict() == before and cfg.parallelism.dp_shard == -1
+    assert out is not cfg and out.parallelism is not cfg.parallelism and out.training is not cfg.training
+    assert (out.parallelism.dp_shard, out.parallelism.world_size) == (4, 8)
+    assert validate(out, 8, check_files=False).to_dict() == out.to_dict()  # idempotent
+    assert resolve_world_size(cfg, 8) == 8 and cfg.parallelism.dp_shard == -1
+
+
+def test_every_field_has_a_doc():
+    docs = field_docs()
+    keys = {f"{s}.{k}" for s in JobConfig().to_dict() for k in JobConfig().to_dict()[s]}
+    assert set(docs) == keys
+    empty = [k for k, d in docs.items() if not d.strip() or "\n" in d]
+    assert not empty, f"fields without a one-line doc: {empty}"
+    assert "-1 fills" in docs["parallelism.dp_shard"]

@@ -42,7 +42,7 @@ def _pp(schedule: str, pp: int = 2, micro: int = 4) -> list[str]:
 def test_config_names_match_the_installed_torch():
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     lib = library_schedules()
-    assert set(lib) == set(PP_SCHEDULES), "core.config.PP_SCHEDULES is out of sync with torch"
+    assert set(lib) == set(PP_SCHEDULES), "core.parallel.stages.PP_SCHEDULES is out of sync with torch"
     for name, cls in lib.items():
         assert get_schedule_class(name) is cls
         assert issubclass(cls, PipelineScheduleSingle) == (name in PP_SCHEDULES_SINGLE)

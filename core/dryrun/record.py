@@ -27,7 +27,7 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None) -> dict:
     from core.config import validate
     from core.parallel.mesh import ParallelDims
     t0 = time.perf_counter()
-    validate(cfg, check_files=False)  # ConfigError naming the key for a bad layout
+    cfg = validate(cfg, check_files=False)  # ConfigError naming the key for a bad layout
     dims = ParallelDims.from_config(cfg.parallelism)
     est = estimate_memory(cfg)
     record = {

@@ -119,7 +119,7 @@ def _transformers_uses_rope_parameters() -> bool:
     """transformers >= 5 configures RoPE with ``rope_parameters`` (theta inside); 4.x with
     ``rope_theta`` + ``rope_scaling``. Without transformers installed, write the 5.x form."""
     try:
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig  # local: optional (test extra), seconds to import
     except ImportError:
         return True
     return "rope_parameters" in getattr(LlamaConfig, "__annotations__", {}) or hasattr(
@@ -200,7 +200,7 @@ def args_from_hf_config(cfg: dict[str, Any], **overrides) -> ModelArgs:
 
 def save_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, folder: str) -> None:
     """Write ``model.safetensors`` and ``config.json`` loadable by ``LlamaForCausalLM.from_pretrained``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # local: optional dependency (test extra)
 
     os.makedirs(folder, exist_ok=True)
     hf = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(state_dict, args).items()}
@@ -221,7 +221,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs, folder: str) -
 def load_hf(folder: str) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """Read a folder written by ``save_hf`` (or a single-file HF Llama checkpoint) -> (our state
     dict, ModelArgs)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # local: optional dependency (test extra)
 
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)

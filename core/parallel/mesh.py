@@ -27,7 +27,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, p: Parallelism) -> "ParallelDims":
+    def from_config(cls, p: Parallelism) -> ParallelDims:
         return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.world_size)
 
     @property
@@ -43,7 +43,7 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
-    def build_mesh(self, device_type: str) -> "WorldMesh":
+    def build_mesh(self, device_type: str) -> WorldMesh:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED.items()}

@@ -7,7 +7,8 @@ checkpoints line up across layouts. Each stage module then gets the same treatme
 model (`parallelize`: TP -> float8 -> AC -> compile -> FSDP2) and becomes a `PipelineStage`.
 Stages are placed on pp ranks round-robin ("loop": rank r holds r, r + pp, ...) or, for the
 V-shaped schedules (ZBVZeroBubble, DualPipeV), as a V (rank r holds r and 2 pp - 1 - r), as
-the library's own stage-to-rank mapping expects.
+the library's own stage-to-rank mapping expects. That arithmetic (split, placement, microbatches)
+lives in `core.parallel.stages`, without torch, where the config's checks and the dry-run read it.
 
 Gradient scale: the loss function returns each microbatch's mean loss (divided by the gradient
 accumulation steps) and the schedule divides the accumulated gradients by the microbatch count
@@ -17,11 +18,17 @@ accumulation steps) and the schedule divides the accumulated gradients by the mi
 """
 from __future__ import annotations
 
+import argparse
 import copy
 from collections.abc import Callable, Sequence
 
 import torch
+from tabulate import tabulate
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as S
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Action, get_schedule_class
 
 from core.config import ConfigError, JobConfig
 from core.parallel.stages import (
@@ -42,7 +49,6 @@ DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 # ------------------------------------------------------------------------------------ schedules
 def library_schedules() -> dict[str, type]:
     """Every schedule the installed torch exports, by the name `get_schedule_class` takes."""
-    from torch.distributed.pipelining import schedules as S
     out = {}
     for attr in S.__all__:
         if attr.startswith("Schedule"):
@@ -52,7 +58,6 @@ def library_schedules() -> dict[str, type]:
 
 def schedule_class(name: str) -> type:
     """The schedule class for a config name; ConfigError listing the valid names otherwise."""
-    from torch.distributed.pipelining.schedules import get_schedule_class
     if name not in PP_SCHEDULES:
         raise ConfigError(f"parallelism.pp_schedule: {name!r} is not one of: {', '.join(PP_SCHEDULES)}")
     try:
@@ -95,8 +100,6 @@ def build_pipeline(model: nn.Module, mesh, dims, cfg: JobConfig, device: torch.d
 
     Returns (schedule, model_parts): the parts ordered by stage index.
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     p = cfg.parallelism
     cls = schedule_class(p.pp_schedule)
@@ -134,7 +137,6 @@ def build_pipeline(model: nn.Module, mesh, dims, cfg: JobConfig, device: torch.d
 def pipeline_order(schedule: str, pp: int, n_microbatches: int, stages_per_rank_: int) -> list[list]:
     """The schedule's own table of compute actions per rank (idle markers dropped), built from
     the library class without a process group (torch's `get_schedule_ops`)."""
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     schedule_class(schedule)
     table = get_schedule_ops(schedule, pp, n_microbatches, stages_per_rank_)
     kinds = {"F", "B", "I", "W", "OVERLAP_F_B"}
@@ -152,7 +154,6 @@ def _renumber_if_needed(table: list[list], m: int) -> list[list]:
     which the table only describes, runs 0..m-1). Where a stage's forwards, or its backwards
     (B and I together), do not list each microbatch exactly once, renumber that group in order
     of appearance."""
-    from torch.distributed.pipelining.schedules import _Action
 
     def group(a):
         kind = a.computation_type.value
@@ -298,9 +299,7 @@ def bubble_rows(schedules: Sequence[str], pps: Sequence[int], microbatches: Sequ
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m core.parallel.pipeline --pp 8 --microbatches 8 32` prints bubble fractions."""
-    import argparse
 
-    from tabulate import tabulate
     ap = argparse.ArgumentParser(description="ideal pipeline bubble fraction per schedule")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 32])

@@ -14,7 +14,7 @@ never exist on one rank.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -43,7 +43,7 @@ def tp_styles(model: nn.Module, cfg: JobConfig, toggles=None):
     if cfg.float8.recipe != "tensorwise":
         reason = f"float8 TP styles support the tensorwise recipe only (recipe {cfg.float8.recipe})"
     else:
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear  # local: torchao only when Float8 is on
         block = next(iter(model.layers.values()), None) if model.layers is not None else None
         if block is None or not isinstance(block.attention.wq, Float8Linear):
             reason = "linears are not Float8Linear when TP is applied (convert float8 before apply_tp)"
@@ -55,7 +55,7 @@ def tp_styles(model: nn.Module, cfg: JobConfig, toggles=None):
         if toggles is not None:
             toggles.skip("float8_tp", reason)
         return plain
-    from torchao.float8.float8_tensor_parallel import (
+    from torchao.float8.float8_tensor_parallel import (  # local: torchao only when Float8 is on
         Float8ColwiseParallel,
         Float8RowwiseParallel,
         PrepareFloat8ModuleInput,
