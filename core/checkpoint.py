@@ -22,6 +22,10 @@ What is saved (DCP flattens the nested keys):
                                      rank's copy resumes any DP degree)
     rng.rank_<R>                     torch RNG state of global rank R (restored on the same layout)
 
+The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, data loader, a
+`TrainState`) and restores them in place; folder and file checks and the single-process tools
+live in core/checkpoint_files.py.
+
 CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
 `ls FOLDER`.
 """
@@ -29,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -42,139 +46,36 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.stateful import Stateful
 
-STEP_RE = re.compile(r"^step-(\d+)$")
-TMP = ".tmp"
-INFO = "titan.json"
-METADATA = ".metadata"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# ModelArgs fields that fix parameter shapes: a checkpoint must agree on all of them.
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-# ------------------------------------------------------------------------------------ folders
-def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
-    """{step: path} of the complete checkpoints in `folder` (renamed and with DCP metadata)."""
-    folder, out = Path(folder), {}
-    if folder.is_dir():
-        for p in folder.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / METADATA).is_file():
-                out[int(m.group(1))] = p
-    return dict(sorted(out.items()))
-
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / METADATA).is_file()
-
-
-def resolve(folder: Path, load_step: int = -1, resume_from: str = "") -> Path | None:
-    """Which checkpoint a run loads: our own folder first (a restarted run continues from its
-    own latest), then `resume_from` (a step folder, or a folder of them). None: start fresh."""
-    own = complete_steps(folder)
-    if load_step >= 0 and load_step in own:
-        return own[load_step]
-    if load_step < 0 and own:
-        return own[max(own)]
-    if resume_from:
-        source = Path(resume_from)
-        if not source.exists():
-            raise CheckpointError(f"{source}: checkpoint.resume_from does not exist")
-        if is_checkpoint(source):
-            return source
-        steps = complete_steps(source)
-        if not steps:
-            raise CheckpointError(f"{source}: checkpoint.resume_from holds no complete checkpoint "
-                                  f"(no {METADATA}, no step-N/{METADATA})")
-        if load_step < 0:
-            return steps[max(steps)]
-        if load_step in steps:
-            return steps[load_step]
-        raise CheckpointError(f"{source / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-                              f"(complete checkpoints there: {sorted(steps)})")
-    if load_step >= 0:
-        raise CheckpointError(f"{folder / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-                              f"(complete checkpoints: {sorted(own) or 'none'})")
-    return None
-
-
-def read_info(path: Path) -> dict:
-    f = path / INFO
-    if not f.is_file():
-        return {}
-    try:
-        return json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: corrupted checkpoint info ({e})") from None
-
-
-def read_metadata(path: Path):
-    """DCP metadata, or a CheckpointError naming the file."""
-    f = path / METADATA
-    if not f.is_file():
-        raise CheckpointError(f"{f}: missing (not a complete DCP checkpoint)")
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling garbage raises anything from EOFError to KeyError
-        raise CheckpointError(f"{f}: corrupted checkpoint metadata ({type(e).__name__}: {e})") from None
-
-
-def check_files(path: Path, metadata) -> None:
-    """Every shard file the metadata refers to exists and is long enough (catches a missing or
-    truncated shard before any tensor is touched)."""
-    need: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f}: shard missing (the checkpoint is incomplete)")
-        have = f.stat().st_size
-        if have < size:
-            raise CheckpointError(f"{f}: shard truncated ({have} bytes, the metadata needs {size})")
-
-
-def model_shape(args) -> dict:
-    return {k: getattr(args, k) for k in SHAPE_FIELDS}
-
-
-def check_shapes(path: Path, metadata, state: dict, info: dict, args=None) -> None:
-    """The checkpoint holds every tensor we load, with the same global shape."""
-    if args is not None and info.get("model_shape"):
-        ours, theirs = model_shape(args), info["model_shape"]
-        diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
-        if diff:
-            raise CheckpointError(f"{path / INFO}: checkpoint of another model shape: " + ", ".join(
-                f"{k} {a} (checkpoint) != {b} (this run)" for k, (a, b) in diff.items()))
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    stored = metadata.state_dict_metadata
-    for key, value in _flatten(state).items():
-        if key not in stored:
-            raise CheckpointError(f"{path / METADATA}: has no entry {key!r} "
-                                  "(a checkpoint of another model or layout?)")
-        if isinstance(value, torch.Tensor):
-            meta = stored[key]
-            if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
-                got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
-                raise CheckpointError(f"{path / METADATA}: {key} has shape {got}, this run needs "
-                                      f"{tuple(value.shape)} (a checkpoint of another model shape)")
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+from core.checkpoint_files import (
+    DTYPES,
+    INFO,
+    METADATA,
+    TMP,
+    CheckpointError,
+    check_files,
+    check_shapes,
+    complete_steps,
+    export_hf,
+    import_hf,
+    model_shape,
+    read_info,
+    read_metadata,
+    resolve,
+)
+from core.config import JobConfig
+from core.models.args import ModelArgs
+from core.noise import quiet_library_warnings
 
 
 # ------------------------------------------------------------- model parts <-> one key space
@@ -224,8 +125,23 @@ class _Parts:
 
 
 # ------------------------------------------------------------------------------- checkpointer
+class TrainState(Stateful):
+    """What the training loop carries across a restart besides the objects it checkpoints."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
 class Checkpointer:
-    """Owns `<output_dir>/<checkpoint.folder>` for one run of the Trainer.
+    """Owns `<output_dir>/<checkpoint.folder>` for one run: saves and restores the objects it is
+    given (this rank's model parts, the optimizer, the LR scheduler, the data loader, the train
+    state); loading restores them in place (each stateful object loads its own state).
 
     `load()` before the loop, `maybe_save(step)` after each step, `close()` at the end.
     Async modes (checkpoint.async_mode):
@@ -239,16 +155,21 @@ class Checkpointer:
                              reused buffers, which still takes it off the training thread.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg
+    def __init__(self, cfg: JobConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 lr_scheduler, dataloader: Stateful, train_state: Stateful, *, dp_rank: int = 0,
+                 dp_degree: int = 1, model_args: ModelArgs | None = None):
+        """dp_rank / dp_degree: this rank's place in data parallelism (whose loader state it saves);
+        model_args: checked against a checkpoint's shapes and written into its titan.json."""
+        self.cfg = cfg
         c = self.cfg.checkpoint
         self.folder = Path(self.cfg.job.output_dir) / c.folder
         self.rank = dist.get_rank()
         self.interval = c.interval
         self.keep_latest_k = c.keep_latest_k
         self.async_mode = c.async_mode
-        self.parts = _Parts(trainer.model_parts, trainer.optimizer)
+        self.parts = _Parts(model_parts, optimizer)
+        self.lr_scheduler, self.dataloader, self.train_state = lr_scheduler, dataloader, train_state
+        self.dp_rank, self.dp_degree, self.model_args = dp_rank, dp_degree, model_args
         self.pending: dict | None = None  # the async save in flight
         self.stats: list[dict] = []  # per save: step, mode, blocking_s, total_s
         self.pg = None
@@ -256,22 +177,20 @@ class Checkpointer:
         if self.async_mode != "disabled":
             # Its own gloo group: the background save's collectives never queue behind (or
             # interleave with) the training collectives, and it works beside NCCL.
-            import datetime
             self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(
                 seconds=self.cfg.comm.init_timeout_seconds))
         if self.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             cuda = torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                        use_async_staging=True, use_non_blocking_copy=cuda))
             # The background copy must finish before parameters change.
-            self._hook = trainer.optimizer.register_step_pre_hook(lambda *_: self.maybe_wait_for_staging())
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self.maybe_wait_for_staging())
 
     # ---------------------------------------------------------------------------------- load
     def load(self) -> bool:
         """Restore the latest complete checkpoint (or checkpoint.load_step / resume_from).
-        Returns whether anything was loaded. Nothing on disk is modified except stale
-        `step-N.tmp` folders of a run killed mid-save."""
+        Returns whether anything was loaded (the step is then in the train state). Nothing on
+        disk is modified except stale `step-N.tmp` folders of a run killed mid-save."""
         c = self.cfg.checkpoint
         path = None
         error = None
@@ -310,7 +229,7 @@ class Checkpointer:
         else:
             model, mnames = self.parts.model_state()
             state = {"model": model}
-        check_shapes(path, metadata, state, info, getattr(self.trainer, "model_args", None))
+        check_shapes(path, metadata, state, info, self.model_args)
         # Weights nobody here loads mean another model (a deeper one shares our first layers);
         # a pipeline stage loads a subset, so compare with the union over all ranks.
         names = [None] * dist.get_world_size()
@@ -342,24 +261,23 @@ class Checkpointer:
             step = int(json.loads(state["train_state"])["step"])
         if full:
             self.parts.set_full(state["model"], mnames, state["optimizer"], onames)
-            self.trainer.lr_scheduler.load_state_dict(json.loads(state["lr_scheduler"]))
+            self.lr_scheduler.load_state_dict(json.loads(state["lr_scheduler"]))
             if "dataloader" in state:
-                self.trainer.dataloader.load_state_dict(json.loads(state["dataloader"][dp_key]))
+                self.dataloader.load_state_dict(json.loads(state["dataloader"][dp_key]))
             if "rng" in state:
                 torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
-            self.trainer.step = step
+            self.train_state.load_state_dict({"step": step})
         else:
             # weights only (seed, HF import, final export): a new run starts from them at step 0,
             # but our own final export means this run is done
             self.parts.set_model(state["model"], mnames)
             if path.parent == self.folder:
-                self.trainer.step = step
+                self.train_state.load_state_dict({"step": step})
         return step
 
     def _dataloader_key(self, stored: dict, info: dict) -> str | None:
-        dp_rank = self.trainer.mesh["dp"].get_local_rank()
-        mine = f"dp_rank_{dp_rank}"
-        if info.get("dp_degree") == self.trainer.mesh["dp"].size() and f"dataloader.{mine}" in stored:
+        mine = f"dp_rank_{self.dp_rank}"
+        if info.get("dp_degree") == self.dp_degree and f"dataloader.{mine}" in stored:
             return mine
         # another DP degree: the loader's state is its place in the global stream, the same
         # on every rank, so rank 0's copy serves any degree
@@ -378,27 +296,25 @@ class Checkpointer:
             self.save(step, last=last)
 
     def _state(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict:
-        t = self.trainer
-        info = {"step": step, "layout": self._layout()}
+        info = {**self.train_state.state_dict(), "step": step, "layout": self._layout()}
         if model_only:
             model, _ = self.parts.model_state()
             if dtype is not None:
                 model = {k: v.to(dtype) for k, v in model.items()}
             return {"model": model, "train_state": json.dumps(info)}
         model, _, optim, _ = self.parts.full_state()
-        dp = t.mesh["dp"]
         # JSON strings: small, copied now (the loader moves on while an async save runs)
         return {
             "model": model,
             "optimizer": optim,
-            "lr_scheduler": json.dumps(t.lr_scheduler.state_dict()),
+            "lr_scheduler": json.dumps(self.lr_scheduler.state_dict()),
             "train_state": json.dumps(info),
-            "dataloader": {f"dp_rank_{dp.get_local_rank()}": json.dumps(t.dataloader.state_dict())},
+            "dataloader": {f"dp_rank_{self.dp_rank}": json.dumps(self.dataloader.state_dict())},
             "rng": {f"rank_{self.rank}": torch.get_rng_state()},
         }
 
     def _info(self, step: int, kind: str, dtype: str) -> dict:
-        args = getattr(self.trainer, "model_args", None)
+        args = self.model_args
         return {
             "step": step,
             "kind": kind,  # full | model (weights only) | seed
@@ -407,7 +323,7 @@ class Checkpointer:
             "model_shape": model_shape(args) if args is not None else None,
             "flavor": self.cfg.model.flavor,
             "layout": self._layout(),
-            "dp_degree": self.trainer.mesh["dp"].size(),
+            "dp_degree": self.dp_degree,
             "torch": torch.__version__,
         }
 
@@ -432,7 +348,6 @@ class Checkpointer:
             dt = time.perf_counter() - t0
             self.stats.append({"step": step, "mode": "sync", "blocking_s": dt, "wait_s": 0.0, "total_s": dt})
             return
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         if self.async_mode == "async":
             upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
             staging = None
@@ -510,65 +425,7 @@ class Checkpointer:
                 self.stager = None
 
 
-# ----------------------------------------------------------------- single-process tools + CLI
-def load_model_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """The full (unsharded) model weights of a checkpoint, read in this process without a
-    process group, and its titan.json. Works for any layout that wrote it."""
-    path = Path(path)
-    metadata = read_metadata(path)
-    check_files(path, metadata)
-    info = read_info(path)
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    if not model:
-        raise CheckpointError(f"{path / METADATA}: no model weights in this checkpoint")
-    state = {"model": model}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state["model"], info
-
-
-def _model_args_from_info(path: Path, info: dict):
-    from core.models.llama3 import ModelArgs
-    if not info.get("model_args"):
-        raise CheckpointError(f"{path / INFO}: missing; cannot tell the model's configuration")
-    return ModelArgs(**info["model_args"])
-
-
-def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:
-    """DCP checkpoint -> Hugging Face Llama folder (model.safetensors + config.json)."""
-    from core.models.hf_convert import save_hf
-    checkpoint = Path(checkpoint)
-    if not is_checkpoint(checkpoint) and complete_steps(checkpoint):  # a folder of steps: latest
-        checkpoint = list(complete_steps(checkpoint).values())[-1]
-    model, info = load_model_weights(checkpoint)
-    args = _model_args_from_info(checkpoint, info)
-    save_hf({k: v.to(DTYPES[dtype]) for k, v in model.items()}, args, str(out))
-    return Path(out)
-
-
-def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 0) -> Path:
-    """Hugging Face Llama folder -> a model-only DCP checkpoint `out` (load it with
-    checkpoint.resume_from=out). Written in one process; DCP reshards it for any layout."""
-    from core.models.hf_convert import load_hf
-    out = Path(out)
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists (not overwriting a checkpoint)")
-    model, args = load_hf(str(hf_folder))
-    tmp = out.with_name(out.name + TMP)
-    shutil.rmtree(tmp, ignore_errors=True)
-    dtypes = {v.dtype for v in model.values()}
-    dcp.save({"model": model, "train_state": json.dumps({"step": step})}, checkpoint_id=str(tmp),
-             no_dist=True)
-    info = {"step": step, "kind": "model", "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1
-            else "mixed", "model_args": dataclasses.asdict(args), "model_shape": model_shape(args),
-            "source": str(hf_folder), "torch": torch.__version__}
-    (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, out)
-    return out
-
-
+# ------------------------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.checkpoint", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -582,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("ls", help="complete checkpoints of a folder")
     ls.add_argument("folder")
     a = parser.parse_args(argv)
+    quiet_library_warnings()
     try:
         if a.cmd == "export-hf":
             print(export_hf(a.checkpoint, a.out, a.dtype))

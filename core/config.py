@@ -377,7 +377,7 @@ def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
 
 
 def _validate_toggles(cfg: JobConfig) -> None:
-    """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.optim.hardware)."""
+    """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.hardware)."""
     f, p = cfg.float8, cfg.parallelism
     if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
         raise ConfigError(f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "

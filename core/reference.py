@@ -11,9 +11,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from core.build import init_model
 from core.config import JobConfig
-from core.models.llama3 import Transformer
-from core.optim.optimizer import lr_factor
+from core.data.datasets import build_dataloader
+from core.data.tokenizer import Tokenizer
+from core.models.args import model_args  # the same ModelArgs resolution as the trainer
+from core.optim import lr_factor
 
 
 def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,
@@ -27,20 +30,16 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
     copies of the fp32 parameters, fp32 gradients and update).
     Returns {"losses", "step_times_s", "grad_norms" (before clipping), "tokens_per_step"}.
     """
-    from core.train import model_args  # the same ModelArgs resolution as the trainer
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
     steps = steps or t.steps
     dp = cfg.parallelism.dp_replicate * max(cfg.parallelism.dp_shard, 1)
     torch.manual_seed(cfg.job.seed)
     tokenizer = None
     if cfg.data.dataset != "synthetic":
-        from core.data.tokenizer import Tokenizer
         tokenizer = Tokenizer(cfg.tokenizer.path)
     args = model_args(cfg, tokenizer.n_words if tokenizer else vocab_size)
-    model = Transformer(args)
-    model.init_weights()
+    model = init_model(args)  # on CPU from the seed: the weights every layout starts from
     if batches is None:
-        from core.data.datasets import build_dataloader
         batches = build_dataloader(cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size,
                                    local_batch_size=t.local_batch_size * dp)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,

@@ -7,46 +7,55 @@ and `metrics.jsonl` in `job.output_dir`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 
+from core.build import build_model, schedule_stages
+from core.checkpoint import Checkpointer, TrainState
 from core.config import ConfigError, JobConfig, load_config, save_config, validate
-from core.metrics import (MetricsLogger, cpu_peak_flops, device_info, flops_per_token,
-                          peak_memory_gib)
-from core.models.llama3 import FLAVORS, ModelArgs, Transformer
-from core.optim.optimizer import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from core.data.datasets import build_dataloader
+from core.data.tokenizer import Tokenizer
+from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
+from core.hardware import check_hardware
+from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
+from core.models.args import model_args
+from core.noise import quiet_library_warnings
+from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims, device_type
-from core.parallel.parallelize import Toggles, parallelize
+from core.parallel.parallelize import Toggles
+from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
+from core.toggles.float8 import post_optimizer_hook
+
+if __name__ == "__mp_main__":
+    # DCP's checkpoint process (async_with_pinned_mem) re-imports this module as its main and logs
+    # from there, before any trainer exists.
+    quiet_library_warnings()
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
-    import dataclasses
-    args = dataclasses.replace(FLAVORS[cfg.model.flavor])
-    if cfg.model.vocab_size:
-        args.vocab_size = cfg.model.vocab_size
-    elif vocab_size and args.vocab_size != 128256:  # proxy flavors follow their tokenizer
-        args.vocab_size = vocab_size
-    if cfg.model.rope_scaling != "default":
-        args.rope_scaling = cfg.model.rope_scaling == "on"
-    # RoPE table exactly one sequence long: context parallel shards it with the tokens.
-    args.max_seq_len = cfg.training.seq_len
-    return args
+def pipeline_loss(cfg: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The pipeline schedule's loss of one microbatch: scaled like the non-pipelined step's."""
+    accum = cfg.training.grad_accum_steps
+    return lambda logits, labels: cross_entropy_loss(logits, labels) / accum
 
 
 def init_distributed(cfg: JobConfig) -> None:
@@ -54,7 +63,6 @@ def init_distributed(cfg: JobConfig) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
-    from core.debug import dump_on_sigterm, setup_flight_recorder
     setup_flight_recorder(cfg)  # its environment must exist before the process group
     dump_on_sigterm(cfg)
     if "RANK" in os.environ:  # torchrun
@@ -75,16 +83,56 @@ def _git_commit() -> str:
 
 def versions() -> dict:
     out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
-    try:
-        import torchao
-        out["torchao"] = torchao.__version__
-    except ImportError:
+    try:  # the installed version, without importing torchao (only Float8 runs import it)
+        out["torchao"] = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return out
 
 
+class TrainStep:
+    """One rank's forward + backward of one microbatch, for every layout (the trainer's step; the
+    dry-run's fake step runs it too): the CP context around both, loss parallel around the loss,
+    the pipeline schedule when there is one, bf16 autocast when nothing else casts."""
+
+    def __init__(self, cfg: JobConfig, mesh, device: torch.device, model_parts: list[nn.Module],
+                 pp_schedule=None):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.model_parts, self.pp_schedule = model_parts, pp_schedule
+        self.stages = schedule_stages(pp_schedule) if pp_schedule is not None else []
+        # Without FSDP nothing casts parameters for compute: bf16 runs under autocast.
+        self.autocast_bf16 = cfg.training.mixed_precision_param == "bfloat16" and \
+            not ParallelDims.from_config(cfg.parallelism).fsdp_enabled
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        accum = self.cfg.training.grad_accum_steps
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with step_context(self.cfg, self.mesh, inputs, labels, self.model_parts):
+            if self.pp_schedule is not None:
+                losses: list[torch.Tensor] = []
+                has_first = any(s.is_first for s in self.stages)
+                has_last = any(s.is_last for s in self.stages)
+                with loss_parallel_context(self.cfg):
+                    self.pp_schedule.step(*([inputs] if has_first else []),
+                                          target=labels if has_last else None, losses=losses)
+                loss = torch.stack(losses).sum() if has_last else torch.zeros((), device=self.device)
+                return loss.detach()  # per-microbatch losses were already divided by accum
+            model = self.model_parts[0]
+            with loss_parallel_context(self.cfg):
+                with self._autocast():
+                    logits = model(inputs)
+                loss = cross_entropy_loss(logits, labels) / accum
+                del logits
+                loss.backward()
+        return loss.detach()
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        quiet_library_warnings()
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -100,105 +148,28 @@ class Trainer:
 
         self.tokenizer = None
         if cfg.data.dataset != "synthetic":
-            from core.data.tokenizer import Tokenizer
             self.tokenizer = Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
         self.model_args = model_args(cfg, self.tokenizer.n_words if self.tokenizer else None)
 
-        self.model_parts, self.pp_schedule = self._build_model()
+        self.model_parts, self.pp_schedule = build_model(self.model_args, cfg, self.mesh, self.dims, self.device,
+                                                         self.toggles, pipeline_loss(cfg))
+        self.step_fn = TrainStep(cfg, self.mesh, self.device, self.model_parts, self.pp_schedule)
         self.optimizer = build_optimizer(self.model_parts, cfg)
-        from core.optim.float8 import post_optimizer_hook
         self.post_optimizer_hook = post_optimizer_hook(cfg)  # Float8: precompute FSDP scales
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.dataloader = self._build_dataloader()
-        self.step = 0
+        dp_mesh = self.mesh["dp"]
+        self.dataloader = build_dataloader(cfg, self.tokenizer, dp_rank=dp_mesh.get_local_rank(),
+                                           dp_degree=dp_mesh.size(), vocab_size=self.model_args.vocab_size)
+        self.train_state = TrainState()
         self.checkpointer = None
         if cfg.checkpoint.enabled:
-            from core.checkpoint import Checkpointer
-            self.checkpointer = Checkpointer(self)
+            self.checkpointer = Checkpointer(
+                cfg, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self.train_state,
+                dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(), model_args=self.model_args)
 
-    # ------------------------------------------------------------------------------ building
-    def _build_model(self):
-        args = self.model_args
-        if self.device.type == "cpu":
-            # DTensor's RNG is CUDA-only: initialise the whole model on every rank from the same
-            # seed and let sharding distribute it, so every layout starts from identical weights.
-            model = Transformer(args)
-            model.init_weights()
-            materialized = True
-        else:
-            with torch.device("meta"):
-                model = Transformer(args)
-            materialized = False
-        schedule = None
-        if self.dims.pp > 1:
-            from core.parallel.pipeline import build_pipeline
-            schedule, parts = build_pipeline(model, self.mesh, self.dims, self.cfg, self.device,
-                                             self._loss_for_pipeline, self.toggles, parallelize)
-        else:
-            parts = [parallelize(model, self.mesh, self.dims, self.cfg, self.toggles)]
-        for part in parts:
-            if not materialized:
-                part.to_empty(device=self.device)
-                with torch.no_grad():
-                    part.init_weights(buffer_device=self.device)
-            else:
-                part.to(self.device)
-            part.train()
-        return parts, schedule
-
-    def _build_dataloader(self):
-        from core.data.datasets import build_dataloader
-        dp_mesh = self.mesh["dp"]
-        return build_dataloader(self.cfg, self.tokenizer, dp_rank=dp_mesh.get_local_rank(),
-                                dp_degree=dp_mesh.size(), vocab_size=self.model_args.vocab_size)
-
-    # ---------------------------------------------------------------------------------- step
-    def _loss_for_pipeline(self, logits, labels):
-        return cross_entropy_loss(logits, labels) / self.cfg.training.grad_accum_steps
-
-    def _context(self, inputs, labels):
-        """Context parallel shards inputs, labels and the RoPE table along the sequence."""
-        if self.dims.cp == 1:
-            return contextlib.nullcontext()
-        from core.parallel.context import cp_context
-        buffers = [inputs, labels] + [m.freqs_cis for m in self.model_parts]
-        seq_dims = [1, 1] + [0] * len(self.model_parts)
-        return cp_context(self.mesh["cp"], buffers, seq_dims, self.cfg.parallelism.cp_rotate_method)
-
-    def _autocast(self):
-        """Without FSDP nothing casts parameters for compute: bf16 runs under autocast."""
-        bf16 = self.cfg.training.mixed_precision_param == "bfloat16"
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=bf16 and not self.dims.fsdp_enabled)
-
-    def _loss_parallel(self):
-        if self.dims.tp > 1 and self.cfg.parallelism.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        accum = self.cfg.training.grad_accum_steps
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        with self._context(inputs, labels):
-            if self.pp_schedule is not None:
-                losses: list[torch.Tensor] = []
-                stages = self.pp_schedule_stages
-                has_first = any(s.is_first for s in stages)
-                has_last = any(s.is_last for s in stages)
-                with self._loss_parallel():
-                    self.pp_schedule.step(*( [inputs] if has_first else []),
-                                          target=labels if has_last else None, losses=losses)
-                loss = torch.stack(losses).sum() if has_last else torch.zeros((), device=self.device)
-                return loss.detach()  # per-microbatch losses were already divided by accum
-            model = self.model_parts[0]
-            with self._loss_parallel():
-                with self._autocast():
-                    logits = model(inputs)
-                loss = cross_entropy_loss(logits, labels) / accum
-                del logits
-                loss.backward()
-        return loss.detach()
+    @property
+    def step(self) -> int:
+        return self.train_state.step
 
     def _local_state_bytes(self) -> dict:
         """Bytes this rank holds of parameters and optimizer state (its shards only)."""
@@ -211,9 +182,8 @@ class Trainer:
         """The schedule's ideal bubble (from its own action table; hardware independent)."""
         if self.pp_schedule is None:
             return {}
-        from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
         p = self.cfg.parallelism
-        spr, micro = len(self.pp_schedule_stages), self.pp_schedule._n_microbatches
+        spr, micro = len(self.step_fn.stages), self.pp_schedule._n_microbatches
         out = {"pp_schedule": p.pp_schedule, "pp_microbatches": micro, "pp_stages_per_rank": spr,
                "pp_bubble_costs": DEFAULT_COSTS}
         try:
@@ -222,16 +192,11 @@ class Trainer:
             out["pp_bubble_fraction"], out["pp_bubble_error"] = None, str(e).splitlines()[0]
         return out
 
-    @property
-    def pp_schedule_stages(self):
-        s = self.pp_schedule
-        return s._stages if hasattr(s, "_stages") else [s._stage]
-
     def train_step(self, batches) -> tuple[float, float]:
         self.optimizer.zero_grad()
         loss = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            micro_loss = self.forward_backward(inputs, labels)
+            micro_loss = self.step_fn.forward_backward(inputs, labels)
             if hasattr(micro_loss, "full_tensor"):  # loss parallel: a replicated DTensor
                 micro_loss = micro_loss.full_tensor()
             loss += micro_loss
@@ -269,12 +234,11 @@ class Trainer:
         losses, grad_norms, step_times = [], [], []
         progress = None
         if self.rank == 0 and cfg.metrics.progress:
-            from tqdm import tqdm
             progress = tqdm(total=t.steps, initial=self.step, desc=cfg.job.name, unit="step",
                             file=sys.stderr, dynamic_ncols=True)
         wall0 = time.perf_counter()
         while self.step < t.steps:
-            self.step += 1
+            self.train_state.step += 1
             batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -303,11 +267,9 @@ class Trainer:
                 self.checkpointer.maybe_save(self.step)
             if self.step == self.start_step + 1:
                 # first step done (lazy init, compilation): the shorter timeout from now on
-                from core.debug import set_pg_timeouts
                 dist.barrier()
                 set_pg_timeouts(cfg.comm.train_timeout_seconds,
                                 exclude=[self.checkpointer.pg] if self.checkpointer else [])
-            from core.debug import maybe_pause
             maybe_pause(self.step, self.out_dir, self.rank)  # fault-injection hook (tests)
         wall = time.perf_counter() - wall0
         if progress:
@@ -362,7 +324,6 @@ class Trainer:
 
 
 def _local_bytes(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
     t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
@@ -389,10 +350,10 @@ def run(cfg: JobConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_warnings()
     try:
         cfg = parse_args(argv)
         cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
-        from core.optim.hardware import check_hardware
         check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -405,7 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(cfg)
     except Exception as e:
-        from core.debug import dump_flight_recorder
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
         raise
     finally:

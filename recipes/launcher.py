@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config, validate
-from core.optim.hardware import check_hardware as check_toggles
+from core.hardware import check_hardware as check_toggles
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]

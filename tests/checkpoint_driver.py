@@ -20,6 +20,7 @@ from pathlib import Path
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
     from core.config import load_config, validate

@@ -17,13 +17,35 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from core.checkpoint import (CheckpointError, complete_steps, import_hf,
-                             load_model_weights, main as ckpt_main, read_metadata, resolve)
+from core.checkpoint import main as ckpt_main
+from core.checkpoint_files import (
+    CheckpointError,
+    complete_steps,
+    import_hf,
+    load_model_weights,
+    read_metadata,
+    resolve,
+)
 from core.config import ConfigError, load_config, validate
+from core.debug import (
+    analyze,
+    dump_flight_recorder,
+    format_report,
+    pg_timeout_seconds,
+    read_traces,
+    setup_flight_recorder,
+    torchfrtrace,
+)
+from core.models.args import model_args
+from core.models.llama3 import ModelArgs, Transformer
+from core.train import run
+from recipes.launcher import launch_env, local_command
+from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
 from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, run_trainer, torchrun_command
 
 pytestmark = pytest.mark.checkpoint
@@ -49,7 +71,6 @@ def _cfg(out: Path, *overrides: str):
 
 
 def train(out: Path, *overrides: str) -> dict:
-    from core.train import run
     return run(_cfg(out, *overrides))
 
 
@@ -111,8 +132,6 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(pg, tmp_path):
 
 
 def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
-    from core.models.llama3 import Transformer
-    from core.train import model_args
     run1 = tmp_path / "run1"
     rec = train(run1, *CKPT, "--training.steps=2", "--checkpoint.interval=1",
                 "--checkpoint.create_seed_checkpoint=true", "--checkpoint.model_weights_only=true",
@@ -136,7 +155,6 @@ def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
 
 
 def test_pg_timeouts_shorten_after_first_step(pg, tmp_path):
-    from core.debug import pg_timeout_seconds
     dist.distributed_c10d._set_pg_timeout(__import__("datetime").timedelta(seconds=300))
     train(tmp_path, "--training.steps=2", "--comm.train_timeout_seconds=77")
     assert pg_timeout_seconds() == 77
@@ -204,7 +222,6 @@ def test_resume_path_or_step_that_does_not_exist(base, tmp_path):
 
 def test_hf_export_matches_transformers_logits(base, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from core.models.llama3 import ModelArgs, Transformer
     src, _ = base
     step = src / "checkpoint" / "step-6"
     hf_dir = tmp_path / "hf"
@@ -227,7 +244,6 @@ def test_hf_export_matches_transformers_logits(base, tmp_path):
 
 
 def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
-    from core.debug import analyze, dump_flight_recorder, read_traces, setup_flight_recorder
     for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
               "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.setenv(k, "")  # so that the values set below are undone after the test
@@ -251,7 +267,6 @@ def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
 
 
 def test_checkpoint_overhead_bench(pg, tmp_path):
-    from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
     out = tmp_path / "checkpoint_overhead.csv"
     rows = run_checkpoint_bench(out, flavor="tiny", steps=5, interval=1, work_dir=tmp_path)
     with open(out) as f:
@@ -319,15 +334,12 @@ def test_exact_resume_every_layout_and_resharded_resume(tmp_path):
 
 
 def _children_of(pid: int) -> set[int]:
-    import psutil
     return {c.pid for c in psutil.Process(pid).children(recursive=True)}
 
 
 def test_launcher_max_restarts_flag(tmp_path):
-    from recipes.launcher import local_command
     assert "--max-restarts=1" in local_command(2, tmp_path / "job.json", max_restarts=1)
     assert not any(a.startswith("--max-restarts") for a in local_command(2, tmp_path / "job.json"))
-    from recipes.launcher import launch_env
     assert launch_env("proxy", 2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
@@ -375,7 +387,6 @@ def test_flight_recorder_dump_on_collective_timeout(tmp_path):
     """Rank 1 stalls after step 3; rank 0 hits the 3 s train timeout (not the 300 s init one)
     in its next collective, dumps its Flight Recorder buffer; torchrun's SIGTERM makes rank 1
     dump too; the reader names rank 1 as the one behind."""
-    from core.debug import analyze, format_report, read_traces, torchfrtrace
     out = tmp_path / "run"
     env = {"TITAN_DEBUG_PAUSE": "3:60:1"}  # rank 1 sleeps 60 s after step 3
     with pytest.raises(RuntimeError, match="trainer failed"):

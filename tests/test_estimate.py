@@ -14,11 +14,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from core.config import ConfigError, load_config, validate
 from core.dryrun import fake_step as F
 from core.dryrun import memory as M
 from core.dryrun import record as R
 from recipes import dryrun_table as T
-from core.config import ConfigError, load_config, validate
 from recipes import launcher, registry
 
 pytestmark = pytest.mark.dryrun

@@ -9,10 +9,26 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
 
-from core.config import ActivationCheckpoint, ConfigError, load_config, validate
+from core.config import ActivationCheckpoint, Compile, ConfigError, load_config, validate
+from core.hardware import check_hardware
+from core.models.llama3 import build_model
 from core.parallel.parallelize import Toggles
+from core.reference import reference_run
+from core.toggles import async_tp
+from core.toggles import compile as compile_mod
+from core.toggles.activation_checkpoint import apply_ac, wrap_block
+from core.toggles.async_tp import apply_async_tp
+from core.toggles.compile import compile_block
+from core.toggles.float8 import apply_float8, post_optimizer_hook
+from core.train import Trainer, init_distributed
+from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
 from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer
 
 pytestmark = [pytest.mark.toggles]
@@ -35,7 +51,6 @@ def cfg_of(*overrides, steps=5, out=None):
 @pytest.fixture(scope="module")
 def pg():
     """A one-rank process group for in-process Trainers (kept if one already exists)."""
-    from core.train import init_distributed
     created = not dist.is_initialized()
     if created:
         init_distributed(cfg_of())
@@ -45,12 +60,10 @@ def pg():
 
 
 def train(out, *overrides, steps=5) -> dict:
-    from core.train import Trainer
     return Trainer(cfg_of(*overrides, steps=steps, out=out)).train()
 
 
 def tiny_model(flavor="tiny4", vocab=512, seq=64):
-    from core.models.llama3 import build_model
     torch.manual_seed(0)
     return build_model(flavor, vocab_size=vocab, max_seq_len=seq, device="cpu")
 
@@ -68,9 +81,7 @@ def test_ac_modes_match_no_ac(pg, tmp_path):
 
 
 def test_ac_wraps_the_right_blocks():
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from core.optim.activation_checkpoint import apply_ac
     for option, wrapped in (("1", ["0", "1", "2", "3"]), ("2", ["1", "3"]), ("3", ["2"]), ("op", ["0", "1", "2", "3"])):
         model, toggles = tiny_model(), Toggles()
         apply_ac(model, ActivationCheckpoint("selective", option), toggles)
@@ -84,9 +95,7 @@ def test_ac_wraps_the_right_blocks():
 
 def activation_peak_mib(mode: str, option: str = "op") -> float:
     """Peak activation memory of one forward + backward (MemTracker: tensors by role)."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    from core.optim.activation_checkpoint import apply_ac
     model = tiny_model(seq=256)
     apply_ac(model, ActivationCheckpoint(mode, option), Toggles())
     tokens = torch.randint(0, 512, (4, 257), generator=torch.Generator().manual_seed(0))
@@ -107,7 +116,7 @@ def test_full_ac_cuts_activation_memory_by_more_than_half():
 
 # ---------------------------------------------------------------------------------------- compile
 def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # ~1.5 s import: this test only
     eager = train(tmp_path / "eager", "model.flavor=tiny4", steps=4)
     frames_before = counters["stats"]["unique_graphs"]
     compiled = train(tmp_path / "compiled", "compile.enabled=true", "model.flavor=tiny4", steps=4)
@@ -120,13 +129,7 @@ def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
 def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
     """Full AC around a block holding DTensors (TP): checkpoint eager, the block compiled inside;
     otherwise (plain block, or op SAC) the checkpoint is compiled with the block."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from core.config import Compile
-    from core.optim.activation_checkpoint import wrap_block
-    from core.optim.compile import compile_block
     mesh = init_device_mesh("cpu", (1,))
     plain, tp_block = tiny_model().layers["0"], tiny_model().layers["0"]
     wq = tp_block.attention.wq
@@ -140,7 +143,6 @@ def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
 
 
 def test_compile_uses_the_project_cache_dir(monkeypatch):
-    from core.optim import compile as compile_mod
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert compile_mod.ensure_cache_dir() == str(compile_mod.DEFAULT_CACHE_DIR)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere-inductor")
@@ -153,7 +155,6 @@ def _world2_job(dp: int):
 
 @pytest.fixture(scope="module")
 def reference_fp32():
-    from core.reference import reference_run
     return reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB]), 1, check_files=False))["losses"]
 
 
@@ -166,7 +167,7 @@ def test_compile_composes_with_fsdp2(tmp_path, reference_fp32):
 
 @pytest.mark.slow
 def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path, reference_fp32):
-    """The two cases torch 2.13 broke, fixed in core.optim.compile: per-block compile with TP 2
+    """The two cases torch 2.13 broke, fixed in core.toggles.compile: per-block compile with TP 2
     ('Tensor' object has no attribute '_local_tensor'), and with full AC on top (AOTAutograd
     saving a DeviceMesh). AsyncTP asked for in proxy mode: recorded as skipped, with the reason."""
     rec = run_trainer(2, _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
@@ -198,9 +199,8 @@ def test_float8_close_to_bf16(bf16_losses, tmp_path, recipe):
 
 
 def test_float8_filter_keeps_output_and_odd_dims_high_precision():
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_linear import Float8Linear  # torchao only where Float8 is tested
 
-    from core.optim.float8 import apply_float8
     model = tiny_model()
     model.layers["0"].feed_forward.w2 = torch.nn.Linear(200, 64, bias=False)  # 200 % 16 != 0
     cfg = cfg_of("float8.enabled=true")
@@ -216,7 +216,6 @@ def test_float8_filter_keeps_output_and_odd_dims_high_precision():
 def test_float8_emulation_matches_the_scaled_mm_kernel():
     """The proxy's emulated float8 (fp32 matmul of the same float8-quantized operands) against
     torch._scaled_mm on CPU: equal up to accumulation order, and the record says emulated."""
-    from core.optim.float8 import apply_float8
     torch.manual_seed(0)
     x = torch.randn(64, 128, dtype=torch.bfloat16)
     outs, grads = {}, {}
@@ -232,7 +231,8 @@ def test_float8_emulation_matches_the_scaled_mm_kernel():
         out.float().square().sum().backward()
         outs[emulate], grads[emulate] = out.float(), xi.grad.float()
     ref = x.float() @ lin[0].weight.float().t()
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
     assert rel(outs[True], outs[False]) < 1e-4       # measured 7e-7: accumulation order only
     assert rel(grads[True], grads[False]) < 1e-4
     assert 1e-3 < rel(outs[True], ref) < 0.1         # both really quantized to float8
@@ -243,7 +243,6 @@ def test_float8_fsdp_options_validated():
         cfg_of("float8.enabled=true", "float8.recipe=rowwise", "float8.enable_fsdp_float8_all_gather=true")
     with pytest.raises(ConfigError, match="float8.precompute_float8_dynamic_scale_for_fsdp"):
         cfg_of("float8.enabled=true", "float8.precompute_float8_dynamic_scale_for_fsdp=true")
-    from core.optim.float8 import post_optimizer_hook
     on = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
           "float8.precompute_float8_dynamic_scale_for_fsdp=true"]
     fsdp2 = validate(load_config(None, BASE + on + ["parallelism.dp_shard=2"]), 2, check_files=False)
@@ -253,7 +252,6 @@ def test_float8_fsdp_options_validated():
 
 @pytest.mark.slow
 def test_float8_fsdp2_float8_all_gather(tmp_path):
-    from core.reference import reference_run
     bf16 = ["--training.mixed_precision_param=bfloat16"]
     ref = reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB + bf16]), 1,
                                  check_files=False))["losses"]
@@ -261,12 +259,10 @@ def test_float8_fsdp2_float8_all_gather(tmp_path):
         "--parallelism.dp_shard=2", "--float8.enabled=true", "--float8.enable_fsdp_float8_all_gather=true",
         "--float8.precompute_float8_dynamic_scale_for_fsdp=true"], tmp_path)
     assert {"float8", "float8:tensorwise", "float8_fsdp_all_gather", "fsdp"} <= set(rec["toggles_applied"])
-    from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
     assert max_abs_diff(rec["losses"], ref) < FLOAT8_TOLERANCE
 
 
 def test_float8_needs_sm89_on_cuda(monkeypatch):
-    from core.optim.hardware import check_hardware
     cfg = cfg_of("float8.enabled=true")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
@@ -302,10 +298,8 @@ def async_tp_cfg(mode="proxy"):
 def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
     """Pretend to be an NVSwitch node: the inductor pass is switched on and symmetric memory is
     enabled for exactly the TP group."""
-    import torch._inductor.config as inductor_config
-    import torch.distributed._symmetric_memory as symm_mem
+    import torch._inductor.config as inductor_config  # ~1 s import: these tests only
 
-    from core.optim import async_tp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
@@ -321,7 +315,6 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
             assert inductor_config._micro_pipeline_tp is True
         assert calls == ["tp-group-7"]
     assert toggles.applied == ["async_tp"] and not toggles.skipped
-    from core.optim.hardware import check_hardware
     assert check_hardware(async_tp_cfg("real")) == {}
     # peer access missing between two GPUs: refused (real) / skipped (proxy)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (0, 5))
@@ -331,10 +324,8 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_async_tp_refused_on_cpu():
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # ~1 s import: these tests only
 
-    from core.optim.async_tp import apply_async_tp
-    from core.optim.hardware import check_hardware
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp: .*CUDA.*NVSwitch"):
         check_hardware(async_tp_cfg("real"))
     with inductor_config.patch(_micro_pipeline_tp=False):

@@ -13,16 +13,36 @@ CPU: what the fake step cannot run -- inductor, symmetric memory -- is named in
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from core.build import build_model
 from core.dryrun.memory import GIB
+from core.models.args import model_args
+from core.noise import quiet_library_warnings
+from core.optim import build_optimizer, clip_grad_norm_
+from core.parallel.context import loss_parallel_context, step_context
+from core.parallel.mesh import ParallelDims
+from core.parallel.parallelize import Toggles
+from core.parallel.pipeline import pipeline_order
+from core.parallel.stages import pp_microbatches, stages_per_rank
+from core.toggles.float8 import post_optimizer_hook
+from core.train import TrainStep, pipeline_loss
+
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     """A process group of `world_size` ranks in which this process is `rank` and every
     collective is a no-op (torch's fake backend). Replaces an earlier fake group; refuses to
     touch a real one."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         if dist.get_backend() != "fake":
             raise RuntimeError("a real process group is initialised in this process: dry-run "
@@ -36,8 +56,6 @@ def _lean(tracker_cls, module_stats: bool = True):
     peak on every op, which costs minutes on 100+ blocks and is not used here. Without
     module_stats its per-module hooks are off too (a pipeline rank calls each stage once per
     microbatch, which the stock tracker takes for a second iteration); totals are unchanged."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
     class Lean(tracker_cls):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
@@ -83,13 +101,10 @@ def fake_step(cfg, track: bool | None = None, pp_rank: int = 0, isolate: bool = 
     Returns what composed, what was applied / skipped / modelled, timings and the tracker peak.
     """
     if isolate:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(fake_step, cfg, track, pp_rank, False).result()
 
-    from core.parallel.mesh import ParallelDims
-
+    quiet_library_warnings()
     cfg = copy.deepcopy(cfg)
     modelled = {}
     if cfg.compile.enabled:
@@ -110,44 +125,25 @@ def fake_step(cfg, track: bool | None = None, pp_rank: int = 0, isolate: bool = 
     try:
         return _fake_step(cfg, dims, rank, track, untrackable, modelled)
     finally:
-        import torch.distributed as dist
         dist.destroy_process_group()  # leave no fake group behind for the caller
 
 
 def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from core.models.llama3 import Transformer
-    from core.optim.optimizer import build_optimizer, clip_grad_norm_
-    from core.parallel.parallelize import Toggles, parallelize
-    from core.train import Trainer, model_args
-
     t0 = time.perf_counter()
     mesh = dims.build_mesh("cpu")
-    # The trainer's own step code, without its data loader, tokenizer or materialised weights.
-    tr = Trainer.__new__(Trainer)
-    tr.cfg, tr.dims, tr.mesh, tr.device, tr.toggles = cfg, dims, mesh, torch.device("cpu"), Toggles()
-    tr.rank, tr.world_size = rank, dims.world_size
-    tr.model_args = args = model_args(cfg, None)
+    device, toggles = torch.device("cpu"), Toggles()
+    args = model_args(cfg, None)
     # Meta tensors, sharded by the real functions (DTensors over meta shards), outside the
     # fake mode: the pipeline split deep-copies the model, which fake tensors do not survive.
-    with torch.device("meta"):
-        model = Transformer(args)
-    if dims.pp > 1:
-        from core.parallel.pipeline import build_pipeline
-        tr.pp_schedule, tr.model_parts = build_pipeline(model, mesh, dims, cfg, tr.device,
-                                                        tr._loss_for_pipeline, tr.toggles, parallelize)
-    else:
-        tr.pp_schedule, tr.model_parts = None, [parallelize(model, mesh, dims, cfg, tr.toggles)]
-    del model
-    from core.optim.float8 import post_optimizer_hook
+    parts, schedule = build_model(args, cfg, mesh, dims, device, toggles, pipeline_loss(cfg), materialize=False)
+    # The trainer's own step code, without its data loader, tokenizer or materialised weights.
+    tr = TrainStep(cfg, mesh, device, parts, schedule)
     post_opt = post_optimizer_hook(cfg)
     build_s = time.perf_counter() - t0
     why_not = None if track else (untrackable or "a pipeline rank's schedule under the tracker "
                                                   "takes minutes at scale")
     out = {"rank": rank, "tracked": track, "not_tracked_because": why_not,
-           "toggles_applied": list(tr.toggles.applied), "toggles_skipped": dict(tr.toggles.skipped),
+           "toggles_applied": list(toggles.applied), "toggles_skipped": dict(toggles.skipped),
            "toggles_modelled": modelled}
     step_s = []
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -163,7 +159,7 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
 
         def forward_backward():
             if dims.pp > 1:
-                run_pipeline_rank(tr, tokens, labels)
+                run_pipeline_rank(tr, dims, args, tokens, labels)
             else:
                 tr.forward_backward(tokens, labels)
             clip_grad_norm_(params, cfg.training.max_norm, pp_group)
@@ -172,7 +168,7 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
             t1 = time.perf_counter()
             optimizer.zero_grad()
             if i == 1:  # steady state: optimizer states exist, gradients were freed
-                tracker = _make_tracker(tr, optimizer, tokens, labels)
+                tracker = _make_tracker(tr.model_parts, dims, optimizer, tokens, labels)
                 with tracker:
                     forward_backward()
                 out["tracker_peak_gib"] = _snapshot_gib(tracker)
@@ -188,20 +184,17 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
     return out
 
 
-def _make_tracker(tr, optimizer, tokens, labels):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-    if tr.dims.pp == 1 and isinstance(tr.model_parts[0], FSDPModule):
-        tracker = _lean(FSDPMemTracker)(tr.model_parts[0], optimizer)
+def _make_tracker(model_parts, dims, optimizer, tokens, labels):
+    if dims.pp == 1 and isinstance(model_parts[0], FSDPModule):
+        tracker = _lean(FSDPMemTracker)(model_parts[0], optimizer)
         tracker.track_inputs((tokens, labels))
     else:
         tracker = _lean(MemTracker, module_stats=False)()
-        tracker.track_external(*tr.model_parts, optimizer, tokens, labels)
+        tracker.track_external(*model_parts, optimizer, tokens, labels)
     return tracker
 
 
-def run_pipeline_rank(tr, tokens, labels) -> None:
+def run_pipeline_rank(tr: TrainStep, dims: ParallelDims, args, tokens, labels) -> None:
     """This pp rank's share of one schedule step, in the order of the schedule's own action table
     (`core.parallel.pipeline.pipeline_order`): forwards on the stage modules, backwards through
     the library's `backward_maybe_with_nosync` (FSDP: no gradient sync, no reshard until the last
@@ -209,23 +202,21 @@ def run_pipeline_rank(tr, tokens, labels) -> None:
     here: its start-up handshake reads values other ranks send, which a fake group never
     delivers; activations from and gradients to neighbouring stages are fake tensors of the
     shapes those stages produce."""
-    import torch
-    from core.parallel.stages import pp_microbatches, stages_per_rank
-    from core.parallel.pipeline import pipeline_order
-    cfg, dims = tr.cfg, tr.dims
+    cfg = tr.cfg
     p = cfg.parallelism
-    n_layers = tr.model_args.n_layers
+    n_layers = args.n_layers
     n_micro = pp_microbatches(p, n_layers)
     actions = pipeline_order(p.pp_schedule, dims.pp, n_micro, stages_per_rank(p, n_layers))
     actions = actions[tr.mesh["pp"].get_local_rank()]
-    stages = {s.stage_index: s for s in tr.pp_schedule_stages}
+    stages = {s.stage_index: s for s in tr.stages}
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else torch.float32
     live = {}
-    with tr._context(tokens, labels):  # CP shards tokens and labels in place
+    loss_fn = pipeline_loss(cfg)
+    with step_context(cfg, tr.mesh, tokens, labels, tr.model_parts):  # CP shards tokens, labels in place
         xs, ys = tokens.chunk(n_micro), labels.chunk(n_micro)
         mb, seq = xs[0].shape
         seq = seq // dims.tp if dims.tp > 1 else seq  # sequence-parallel hidden states
-        hidden = (mb, seq, tr.model_args.dim)
+        hidden = (mb, seq, args.dim)
         # The runtime's receive buffers, one per microbatch: activations into non-first stages,
         # gradients into non-last stages (allocated once, reused every step).
         recv = {(sid, m): torch.empty(hidden, dtype=act_dtype, requires_grad=True)
@@ -237,15 +228,15 @@ def run_pipeline_rank(tr, tokens, labels) -> None:
             stage = stages[sid]
             if kind == "F":
                 inputs = (xs[m],) if stage.is_first else (recv[(sid, m)],)
-                with tr._loss_parallel():
+                with loss_parallel_context(cfg):
                     output = stage.submod(*inputs)
                     if stage.is_last:
-                        output = tr._loss_for_pipeline(output, ys[m])
+                        output = loss_fn(output, ys[m])
                 live[(sid, m)] = (inputs, output)
             elif kind in ("B", "I"):
                 inputs, output = live.pop((sid, m))
                 grads = None if stage.is_last else grad_recv[(sid, m)]
-                with tr._loss_parallel():
+                with loss_parallel_context(cfg):
                     stage.backward_maybe_with_nosync(
                         "full", {"stage_output": output, "output_grads": grads,
                                  "input_values": [x for x in inputs if x.requires_grad]})

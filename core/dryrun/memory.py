@@ -117,7 +117,7 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
 
 
 def _sac_op_saved(s: Shapes, every_other_mm: bool) -> dict[str, float]:
-    """Selective op AC (core/optim/activation_checkpoint.py SAVE_OPS): the block input, every
+    """Selective op AC (core/toggles/activation_checkpoint.py SAVE_OPS): the block input, every
     matmul output (or every second one, torchtitan's variant), SDPA's outputs and, under TP, the
     reduce-scatter outputs; everything else is recomputed."""
     T, a = s.tokens, s.act

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from core.config import JobConfig
+from core.parallel.fsdp import apply_fsdp, fsdp_mesh
 from core.parallel.mesh import ParallelDims, WorldMesh
+from core.parallel.tensor import apply_tp
+from core.toggles.activation_checkpoint import apply_ac
+from core.toggles.async_tp import apply_async_tp
+from core.toggles.compile import apply_compile
+from core.toggles.float8 import apply_float8  # torchao itself is imported only when this runs
 
 
 @dataclass
@@ -30,23 +36,17 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
                 toggles: Toggles) -> nn.Module:
     if cfg.float8.enabled:
         # Before TP: torchao's float8 TP styles (float8 all-gather) only accept Float8Linear.
-        from core.optim.float8 import apply_float8
         apply_float8(model, cfg, toggles)
     if dims.tp > 1:
-        from core.parallel.tensor import apply_tp
         apply_tp(model, mesh["tp"], cfg, toggles)
         if cfg.parallelism.enable_async_tp:
-            from core.optim.async_tp import apply_async_tp
             apply_async_tp(mesh["tp"], cfg, toggles)
     if cfg.activation_checkpoint.mode != "none":
-        from core.optim.activation_checkpoint import apply_ac
         apply_ac(model, cfg.activation_checkpoint, toggles,
                  save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm)
     if cfg.compile.enabled:
-        from core.optim.compile import apply_compile
         apply_compile(model, cfg.compile, toggles)
     if dims.fsdp_enabled:
-        from core.parallel.fsdp import apply_fsdp, fsdp_mesh
         t, p = cfg.training, cfg.parallelism
         apply_fsdp(model, fsdp_mesh(mesh, dims.dp_replicate), t.mixed_precision_param,
                    t.mixed_precision_reduce, p.fsdp_reshard_after_forward, pp_enabled=dims.pp > 1)

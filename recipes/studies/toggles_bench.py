@@ -35,9 +35,9 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from core.config import Compile, load_config, validate
 from core.models.llama3 import FLAVORS, build_model
-from core.optim.compile import apply_compile
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
+from core.toggles.compile import apply_compile
 from core.train import Trainer
 from recipes import launcher
 from recipes.results import write_csv

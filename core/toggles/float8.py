@@ -24,12 +24,16 @@ loss-convergence rows keep the real `_scaled_mm` on their tiny dims.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from core.config import ConfigError, JobConfig
+
+# torchao is imported only when Float8 is on (inside the functions below): importing it costs
+# seconds and logs messages (core/noise.py) that a run without Float8 has no reason to show.
 
 MIN_CUDA_CAPABILITY = (8, 9)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -52,7 +56,6 @@ def float8_config(cfg: JobConfig):
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather_active(cfg), emulate=f.emulate)
     base = Float8LinearConfig.from_recipe_name(f.recipe)
     if f.emulate:  # the config is frozen: rebuild it with emulate on
-        import dataclasses
         base = dataclasses.replace(base, emulate=True)
     return base
 

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 
 import torch
+import torch.distributed._symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import ConfigError, JobConfig
@@ -73,9 +74,8 @@ def apply_async_tp(tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> bool:
             raise ConfigError(f"parallelism.enable_async_tp: {problem}")
         toggles.skip("async_tp", problem)
         return False
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    import torch._inductor.config as inductor_config  # ~1 s import: AsyncTP runs only
     inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     toggles.apply("async_tp")
     return True

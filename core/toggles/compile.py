@@ -32,6 +32,7 @@ def ensure_cache_dir() -> str:
     path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
     os.makedirs(path, exist_ok=True)
     # Both are on by default in recent torch; set them so an older default cannot disable reuse.
+    # Imported here: inductor's config costs ~1 s to import and only compile runs need it.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     inductor_config.fx_graph_cache = True
@@ -93,7 +94,7 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles) -> nn.Module:
         return model
     ensure_cache_dir()
     if cfg.emulate_precision_casts:
-        import torch._inductor.config as inductor_config
+        import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
         inductor_config.emulate_precision_casts = True
     for name, block in blocks:
         layers.register_module(name, compile_block(block, cfg))

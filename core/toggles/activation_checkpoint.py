@@ -79,7 +79,7 @@ def wrap_block(block: nn.Module, mode: str, save_every_other_mm: bool = False) -
                                      preserve_rng_state=False)
     else:
         raise ValueError(f"unknown AC mode {mode!r}")
-    wrapped.ac_mode = mode  # read by core.optim.compile
+    wrapped.ac_mode = mode  # read by core.toggles.compile
     return wrapped
 
 
