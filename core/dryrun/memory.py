@@ -5,8 +5,12 @@ each action of the rank's schedule table), each term named: sharded fp32 paramet
 AdamW's two fp32 states, FSDP's unsharded bf16/float8 parameters in flight (and, with PP, kept
 across microbatches), unsharded gradient buffers (fp32 accumulation under PP), saved activations
 for the AC mode (none / full / selective op or layer), the PP microbatches in flight, the working
-set of one layer's recompute + backward and of the loss, with TP/SP and CP shards. It runs no
-torch ops, so the layout advisor can use it for many candidates.
+set of one layer's recompute + backward (with Float8's transposed fp8 copies) and of the loss,
+with TP/SP and CP shards. Under PP, what torch.distributed.pipelining holds (`pp_buffers`): a
+receive buffer per microbatch for activations and for gradients, and on the last stage every
+microbatch's fp32 logits, kept in `output_chunks` for the merged return. It runs no torch ops,
+so the layout advisor can use it for many candidates. Zero-bubble schedules are approximated:
+their I action frees what the W action would.
 
 Peak *reserved* memory on CUDA (the paper's figure) is the allocator's peak allocation plus what
 the caching allocator holds but does not use: one stated term, `ALLOCATOR_GAP_GIB`, the same for
