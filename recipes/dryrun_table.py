@@ -120,12 +120,16 @@ def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
               ("- grad_buffers: unsharded gradients before reduce-scatter; with PP, accumulated in the "
               "fp32 reduce dtype across microbatches (torch.distributed.pipelining turns FSDP's sync off "
               "until the last one)."),
+              ("- pp_buffers: what torch.distributed.pipelining holds: a receive buffer per microbatch for "
+              "activations and for gradients, and on the last stage every microbatch's fp32 logits "
+              "(kept in output_chunks for step()'s merged return until the next step)."),
               ("- activations: what the AC mode saves per block (full: the block input; selective op: "
               "matmul and attention outputs; none: everything autograd keeps), times the blocks and "
               "the pipeline microbatches in flight (from the schedule's own action table), with TP/SP "
               "and CP shards; plus the final norm and the saved log-softmax of the loss."),
-              ("- working_set: the transient at the peak: a block's recompute and backward, or the "
-              "cross-entropy's fp32 copies (loss parallel keeps one more)."),
+              ("- working_set: the transient at the peak: a block's recompute and backward (Float8 adds "
+              "the fp8 copies torch._scaled_mm needs transposed), or the cross-entropy's fp32 buffers "
+              "(loss parallel keeps one more)."),
               "- allocator_cache: reserved but not allocated (see ALLOCATOR_GAP_GIB).", ""]
     return "\n".join(lines) + "\n"
 
