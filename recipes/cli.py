@@ -32,6 +32,8 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     "convergence": ("recipes.studies.convergence:convergence",
                     "The four loss-convergence rows as proxies, plotted and checked vs 1D."),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
+    "dry-run-table": ("recipes.dryrun_table:main",
+                      "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate)."),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
     "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
     "toggles-bench": ("recipes.studies.toggles_bench:toggles_bench",
