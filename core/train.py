@@ -30,7 +30,7 @@ from core.build import build_model, schedule_stages
 from core.checkpoint import Checkpointer, TrainState
 from core.checkpoint_files import CheckpointError
 from core.config import ConfigError, JobConfig, load_config, save_config, validate
-from core.data.datasets import build_dataloader
+from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
@@ -339,6 +339,7 @@ class Trainer:
             **self._pp_record(),
             "steps": len(losses),
             "skipped_nonfinite_steps": list(self.skipped_steps),
+            "skipped_bad_documents": getattr(self.dataloader, "bad_documents", []),
             "start_step": getattr(self, "start_step", 0),  # losses are of steps start_step+1..
             "losses": losses,
             "grad_norms": grad_norms,
@@ -359,16 +360,20 @@ class Trainer:
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
-    """Drop the lines of steps after `last_step` (a resumed run writes them again), atomically."""
+    """metrics.jsonl keeps the steps up to `last_step` (a resumed run writes the later ones
+    again): the lines of later steps move to metrics.replaced.jsonl (nothing is lost), atomically."""
     if not path.is_file():
         return
-    keep = []
+    keep, moved = [], []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= last_step:
-                keep.append(line)
+            (keep if json.loads(line).get("step", 0) <= last_step else moved).append(line)
         except (json.JSONDecodeError, AttributeError):
-            continue  # a torn last line of a killed run
+            moved.append(line)  # a torn last line of a killed run
+    if not moved:
+        return
+    with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+        f.write("".join(m + "\n" for m in moved))
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     tmp.replace(path)
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(cfg)
     try:
         run(cfg)
-    except (CheckpointError, NonFiniteError) as e:
+    except (CheckpointError, NonFiniteError, BadDocumentError) as e:
         # the project's own failures: raised alike on every rank, said once, in one line
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")
         if dist.get_rank() == 0:
