@@ -426,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")
         if dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the group at the first exit: leave rank 0 the time to say it
+            time.sleep(2)
         return 1
     except Exception as e:
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
