@@ -398,7 +398,7 @@ def run(cfg: JobConfig) -> dict:
     if trainer.rank == 0:
         out = Path(cfg.job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "result.json.tmp"
+        tmp = out / f"result.json.{os.getpid()}.tmp"  # unique: a reader sees the old record or the new
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         tmp.replace(out / "result.json")
         save_config(cfg, out / "config.json")
