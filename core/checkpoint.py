@@ -437,13 +437,12 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         latest = complete_steps(self.folder)
         kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
-        cause = _cause(e)
-        if _errno(e) == errno.ENOSPC:
-            free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
-            need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
-                p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters())
+        cause, free = _cause(e), shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
+            p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters())
+        if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
             cause = (f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
-                     f"{free / 2**20:.1f} MiB free on {self.folder}")
+                     f"{free / 2**20:.1f} MiB free on {self.folder} ({cause})")
         raise CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, "
                               f"{kept}") from None
 

@@ -199,6 +199,29 @@ def test_full_disk_removes_partial_and_keeps_latest(pg, tmp_path, monkeypatch, m
     assert train(tmp_path, *CKPT, "--training.steps=3", "--checkpoint.interval=1")["start_step"] == 2
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs: one tiny checkpoint (8 MiB) fits, a second does not."""
+    d = tmp_path / "fs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(d)], check=False, capture_output=True)
+    if r.returncode:
+        pytest.skip("mounting a tmpfs needs root; test_full_disk_removes_partial_and_keeps_latest covers ENOSPC")
+    yield d
+    subprocess.run(["umount", "--lazy", str(d)], check=False)  # a failed run may hold a file open
+
+
+def test_real_full_disk(pg, small_disk):
+    """A real full file system: torch's writer reports no errno, the free space still tells."""
+    out = small_disk / "run"
+    train(out, *CKPT, "--training.steps=1")
+    before = digest(out / "checkpoint")
+    with pytest.raises(CheckpointError, match=r"step-2\.tmp: checkpoint save of step 2 failed: no space left on "
+                                              r"device: a checkpoint needs about 8\.\d MiB, [0-9.]+ MiB free"):
+        train(out, *CKPT, "--training.steps=3", "--checkpoint.interval=1")
+    assert digest(out / "checkpoint") == before and list(complete_steps(out / "checkpoint")) == [1]
+
+
 # ----------------------------------------------------------------- shared output folders
 def test_second_run_on_a_locked_folder_is_refused(tmp_path, no_spawn):
     out = tmp_path / "run"
@@ -307,6 +330,10 @@ BAD_SETS = [  # (--set value, the key the message names)
     ("tokenizer.sha256='00ff'", "tokenizer.path"), ("nosection.key=1", "nosection"),
     ("optimizer.nokey=1", "optimizer.nokey"), ("optimizer.lr", "optimizer.lr"),
 ]
+
+
+def test_at_least_40_malformed_config_values():
+    assert len(BAD_SETS) >= 40 and len({b[0] for b in BAD_SETS}) == len(BAD_SETS)
 
 
 @pytest.mark.parametrize(("override", "key"), BAD_SETS, ids=[b[0] for b in BAD_SETS])
