@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,31 @@ def test_nan_grad_world2_one_line_nonzero_exit(tmp_path):
     assert list(complete_steps(tmp_path / "checkpoint")) == [1]
     weights, _ = load_model_weights(tmp_path / "checkpoint" / "step-1")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_folder(tmp_path):
+    """`run-recipe run --out D` twice, the second while the first trains: the second exits 2 naming
+    the first (pid, host) before spawning anything; the first's files are its own and it exits 0."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "recipes.cli", "run", ROW, "--out", str(out), "--set", "training.steps=12",
+            "--set", "metrics.progress=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 120
+            while not (out / "metrics.jsonl").is_file():  # training has started
+                assert first.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(0.2)
+            job = (out / "job.json").read_bytes()
+            second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+            assert second.returncode == 2, second.stdout + second.stderr
+            assert f"in use by another run (pid {first.pid} on host" in second.stderr
+            assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+    assert (out / "job.json").read_bytes() == job and not (out / launcher.LOCK).exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
