@@ -442,7 +442,9 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     record.setdefault("config", cfg.to_dict())
     record.setdefault("finished_at",
                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (run_dir / "result.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp = run_dir / f".result.json.{os.getpid()}.tmp"  # a reader sees no half-written record
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, run_dir / "result.json")
     return record
 
 
