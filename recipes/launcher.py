@@ -351,13 +351,30 @@ def checkpoint_steps(cfg: JobConfig, run_dir: Path) -> list[int]:
                   if p.name[5:].isdigit() and (p / ".metadata").is_file())
 
 
+def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
+    """(step, folder) a run starts at from checkpoint.resume_from: a full checkpoint's step (a
+    weights-only one starts at 0), read from its titan.json without torch."""
+    src, c = Path(cfg.checkpoint.resume_from), cfg.checkpoint
+    if not (src / ".metadata").is_file():
+        steps = sorted(int(p.name[5:]) for p in src.glob("step-*") if p.name[5:].isdigit())
+        src = src / f"step-{c.load_step if c.load_step >= 0 else (steps or [0])[-1]}"
+    try:
+        info = json.loads((src / "titan.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return (int(info.get("step", 0)), src) if info.get("kind") == "full" else None
+
+
 def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
     """training.steps must be above the step the run would resume from (ConfigError naming it)."""
     steps = checkpoint_steps(cfg, run_dir)
     at = cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else (steps[-1] if steps else 0)
-    if steps and at >= cfg.training.steps:
+    where = run_dir / cfg.checkpoint.folder
+    if not steps and cfg.checkpoint.enabled and cfg.checkpoint.resume_from:
+        at, where = _resume_from_step(cfg) or (0, where)
+    if at and at >= cfg.training.steps:
         raise ConfigError(f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
-                          f"from ({run_dir / cfg.checkpoint.folder}); set training.steps > {at}")
+                          f"from ({where}); set training.steps > {at}")
 
 
 # ------------------------------------------------------------------------------ launching

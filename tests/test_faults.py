@@ -174,6 +174,11 @@ def test_steps_not_above_the_resume_step(two_steps, tmp_path):
     cfg = validate(load_config(None, [*TINY_JOB, *CKPT, "--training.steps=2"]), 1, check_files=False)
     with pytest.raises(ConfigError, match=r"training\.steps: 2 is not above the step 2"):
         launcher.check_resume_step(cfg, tmp_path)
+    cfg.checkpoint.resume_from = str(src / "checkpoint")  # another run's: its latest, step 2
+    with pytest.raises(ConfigError, match=r"training\.steps: 2 is not above the step 2 .*step-2"):
+        launcher.check_resume_step(cfg, tmp_path / "fresh")
+    cfg.checkpoint.load_step = 1
+    launcher.check_resume_step(cfg, tmp_path / "fresh")  # from step 1: 2 steps is one more
 
 
 # ------------------------------------------------------------------------------ full disk
