@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from core.checkpoint_files import (
     DTYPES,
     INFO,
+    MANIFEST,
     METADATA,
     TMP,
     CheckpointError,
@@ -336,7 +337,7 @@ class Checkpointer:
             "flavor": self.cfg.model.flavor,
             "layout": self._layout(),
             "dp_degree": self.dp_degree,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "manifest": MANIFEST,  # written with one: a missing one is damage
         }
 
     @torch.no_grad()

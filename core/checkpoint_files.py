@@ -108,6 +108,8 @@ def verify_manifest(path: Path) -> None:
     first that is not. Checkpoints written before manifests existed (no file) pass."""
     f = path / MANIFEST
     if not f.is_file():
+        if read_info(path).get("manifest"):
+            raise CheckpointError(f"{f}: missing, though {INFO} says the checkpoint was saved with one")
         return
     try:
         files = json.loads(f.read_text())["files"]

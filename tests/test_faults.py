@@ -117,22 +117,25 @@ def _damage(step: Path, how: str) -> str:
         data[8192:8192 + 4096] = os.urandom(4096)
     elif how == "truncated":
         del data[len(data) // 2:]
+    elif how == "no_manifest":
+        (step / "manifest.json").unlink()
+        return "manifest.json: missing"
     shard.write_bytes(bytes(data))
     return {"zeros_64k": "CRC32 mismatch at the same size", "random_4k": "CRC32 mismatch at the same size",
             "truncated": "truncated"}[how]
 
 
-@pytest.mark.parametrize("how", ["zeros_64k", "random_4k", "truncated"])
+@pytest.mark.parametrize("how", ["zeros_64k", "random_4k", "truncated", "no_manifest"])
 def test_corrupted_shard_is_named_and_never_loaded(two_steps, tmp_path, how):
     src, _ = two_steps
     shutil.copytree(src / "checkpoint", tmp_path / "checkpoint")
     what = _damage(tmp_path / "checkpoint" / "step-2", how)
     before = digest(tmp_path / "checkpoint")
-    with pytest.raises(CheckpointError, match=rf"step-2/__0_0\.distcp: .*{what}.*checkpoint\.load_step=1"):
+    with pytest.raises(CheckpointError, match=rf"step-2/(__0_0\.distcp: .*)?{what}.*checkpoint\.load_step=1"):
         train(tmp_path, *CKPT, "--training.steps=4", "--checkpoint.interval=1")
     assert digest(tmp_path / "checkpoint") == before
     # and through resume_from (another run's folder): named too, nothing written
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp|manifest\.json"):
         train(tmp_path / "other", *CKPT, f"--checkpoint.resume_from={tmp_path / 'checkpoint' / 'step-2'}")
     assert digest(tmp_path / "checkpoint") == before
 
