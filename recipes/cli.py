@@ -10,6 +10,7 @@ code that imports this module.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -152,11 +153,13 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 @main.command("show")
 @click.argument("recipe_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
-def show_cmd(recipe_id, as_json):
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Preview the configs with this override (as `run --set`); repeatable.")
+def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
     try:
         r = registry.get(recipe_id)
-        cfgs = {m: launcher.resolve_config(r, m) for m in ("real", "proxy")}
+        cfgs = {m: launcher.resolve_config(r, m, overrides) for m in ("real", "proxy")}
     except (RecipeError, ConfigError) as e:
         _fail(f"error: {e}", EXIT_CONFIG)
     hard, advisory = launcher.real_requirements(r, cfgs["real"])
@@ -237,8 +240,24 @@ def _short(v) -> str:
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
+    with contextlib.ExitStack() as locks:  # each run folder is owned until the command ends
+        _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu)
 
+
+def _own_run_dir(locks: contextlib.ExitStack, r, cfg: JobConfig, run_dir: Path) -> None:
+    """Lock the run folder for this command and check the resume step; exit 2 naming the holder."""
+    try:
+        locks.enter_context(launcher.run_dir_lock(run_dir))
+        launcher.check_resume_step(cfg, run_dir)
+    except launcher.RunDirBusy as e:
+        _fail(f"error: {r.id}: {e}", EXIT_CONFIG)
+    except ConfigError as e:
+        _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
+
+
+def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     recipes = _select(ids, table)
+    several = len(recipes) > 1
     if gpu is not None:
         from core.dryrun.gpuspec import SpecError, load_spec
         if mode != "dry-run":
@@ -277,16 +296,22 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
                 validate(cfg, check_files=True)
             except ConfigError as e:
                 _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
-        plans.append((r, cfg, world, nnodes))
+        run_dir = None
+        if out and (Path(out) / (r.fname if several else "")).is_dir():
+            # a folder that may hold another run, or checkpoints to resume: checked now
+            run_dir = launcher.make_run_dir(r, out, several)
+            _own_run_dir(locks, r, cfg, run_dir)
+        plans.append((r, cfg, world, nnodes, run_dir))
     if mode == "dry-run" and not launcher.dry_run_available():
         _fail("error: dry-run is not available in this build (core.dryrun is missing); "
               "use --mode proxy", EXIT_CANNOT)
 
     # 2. run, print or write each
-    several = len(plans) > 1
     failed = []
-    for r, cfg, world, nnodes in plans:
-        run_dir = launcher.make_run_dir(r, out, several)
+    for r, cfg, world, nnodes, run_dir in plans:
+        if run_dir is None:
+            run_dir = launcher.make_run_dir(r, out, several)
+            _own_run_dir(locks, r, cfg, run_dir)
         job = launcher.write_job(cfg, run_dir)
         click.echo(f"== {r.id} · {mode} · world {world}"
                    + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
