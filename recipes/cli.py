@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from core.config import ConfigError, JobConfig, validate
+from core.config import ConfigError, JobConfig, field_docs, validate
 from recipes import launcher, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
@@ -150,11 +150,23 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+@main.command("keys")
+@click.argument("pattern", required=False, default="")
+def keys_cmd(pattern):
+    """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
+    defaults = _flat(JobConfig().to_dict())
+    rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
+    if not rows:
+        _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
+    click.echo(tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True,
+                        maxcolwidths=[None, 30, 80]))
+
+
 @main.command("show")
 @click.argument("recipe_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Preview the configs with this override (as `run --set`); repeatable.")
+              help="Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`.")
 def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
     try:
@@ -178,9 +190,11 @@ def show_cmd(recipe_id, as_json, overrides):
     defaults = _flat(JobConfig().to_dict())
     paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
     skip = ("job.", "tokenizer.path", "data.path")
-    rows = [[k, _short(paper[k]), _short(proxy[k])] for k in paper
+    docs = field_docs()
+    rows = [[k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")] for k in paper
             if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)]
-    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k])] for k in ("tokenizer.path", "data.path")]
+    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
+             for k in ("tokenizer.path", "data.path")]
     click.echo(f"{r.id} — {r.title}")
     click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
     if r.baseline:
@@ -191,7 +205,8 @@ def show_cmd(recipe_id, as_json, overrides):
     click.echo(f"\npaper: {r.gpus} GPUs = {r.nnodes()} node(s) x {min(r.gpus, r.gpus_per_node)}"
                f"    proxy: world {cfgs['proxy'].parallelism.world_size}\n")
     click.echo("configuration (keys that differ from the JobConfig defaults)")
-    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy"], disable_numparse=True))
+    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy", "meaning"], disable_numparse=True,
+                        maxcolwidths=[None, None, None, 60]))
     click.echo("\nreference figures")
     click.echo(tabulate([[k, v] for k, v in r.reference.items()] or [["(none)", ""]],
                         headers=["key", "value"], disable_numparse=True))
