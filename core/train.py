@@ -33,7 +33,7 @@ from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
 from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
-from core.models.args import model_args
+from core.models.args import model_args, shape_record
 from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
@@ -299,7 +299,7 @@ class Trainer:
             "world_size": self.world_size,
             "model": {"flavor": self.cfg.model.flavor, "params": sum(
                 p.numel() for m in self.model_parts for p in m.parameters()) if self.dims.pp == 1 else None,
-                "vocab_size": self.model_args.vocab_size},
+                **shape_record(self.model_args)},  # the resolved shape: flavor + model.* overrides
             "toggles_applied": self.toggles.applied,
             "toggles_skipped": self.toggles.skipped,
             **self._pp_record(),
