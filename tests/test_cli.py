@@ -231,6 +231,9 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     assert {k: rec["model"][k] for k in shape} == shape and rec["model"]["vocab_size"] == 4352
     assert rec["model"]["param_count"] == rec["model"]["params"] == 1_639_040  # 2 * 128 * 4352 + 2 blocks + norm
     assert rec["tokens_per_sec_per_device"] > 0
+    timings = rec["timings_s"]  # where the row's time went, phase by phase
+    assert {"process_start_and_imports", "init_distributed", "trainer_init", "first_step", "later_steps",
+            "other"} <= set(timings) and timings["process_start_and_imports"] > 0.5  # torch alone takes longer
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["tokens_per_sec_per_device"] > 0 for m in steps)
     assert (out / "job.json").is_file() and (out / "train.log").is_file()
