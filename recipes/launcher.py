@@ -281,9 +281,6 @@ def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""  # proxies run on CPU + gloo, whatever the node has
     if mode == "proxy" and world > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
-        # compile in each rank's own process: inductor's default on a 2-core machine is a pool of
-        # 2 workers per rank (3 more Python processes importing torch, per rank, on the same cores)
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
