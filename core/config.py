@@ -21,7 +21,7 @@ from typing import Any, Literal
 import tomllib
 
 from core.errors import ConfigError
-from core.models.args import FLAVORS
+from core.models.args import FLAVORS, check_shape
 from core.parallel.stages import PPSchedule, check_pipeline
 
 # ------------------------------------------------------------------------------- enum-like fields
@@ -59,8 +59,17 @@ class Job:
 @dataclass
 class Model:
     flavor: str = field(default="debug", metadata={"doc": "a key of core.models.args.FLAVORS"})
+    # The shape keys below replace the flavor's value when non-zero (core.models.args.model_args).
+    dim: int = field(default=0, metadata={"doc": "0: the flavor's; model width (n_heads divides it)"})
+    n_layers: int = field(default=0, metadata={"doc": "0: the flavor's; transformer blocks (>= pipeline stages)"})
+    n_heads: int = field(default=0, metadata={"doc": "0: the flavor's; attention heads (tp divides it)"})
+    n_kv_heads: int = field(default=0,
+                            metadata={"doc": "0: the flavor's; key/value heads (divides n_heads; tp divides it)"})
     vocab_size: int = field(default=0,
                             metadata={"doc": "0: the tokenizer's n_words (proxy flavors); real ones keep 128256"})
+    ffn_dim_multiplier: float = field(default=0.0,
+                                      metadata={"doc": "0: the flavor's; scales the FFN hidden size (8/3 dim)"})
+    multiple_of: int = field(default=0, metadata={"doc": "0: the flavor's; the FFN hidden size rounds up to it"})
     rope_scaling: RopeScaling = field(default="default",
                                       metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"})
 
@@ -468,12 +477,11 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(f"parallelism: a proxy world of {world} ranks is above job.proxy_world_limit="
                           f"{cfg.job.proxy_world_limit} (proxies are CPU runs of <= 16 ranks); set "
                           "job.proxy_world_limit explicitly to allow it")
-    args = FLAVORS[cfg.model.flavor]
-    if args.n_heads % p.tp:
-        raise ConfigError(f"parallelism.tp: {p.tp} does not divide model n_heads {args.n_heads} ({cfg.model.flavor})")
-    if args.n_kv_heads % p.tp:
-        raise ConfigError(
-            f"parallelism.tp: {p.tp} does not divide model n_kv_heads {args.n_kv_heads} ({cfg.model.flavor})")
+    args = check_shape(cfg)  # the flavor with the model.dim, ... overrides; ConfigError naming the key
+    for key in ("n_heads", "n_kv_heads", "ffn_hidden_dim") + (("vocab_size",) if cfg.model.vocab_size else ()):
+        if getattr(args, key) % p.tp:
+            raise ConfigError(f"parallelism.tp: {p.tp} does not divide model {key} {getattr(args, key)} "
+                              f"({cfg.model.flavor})")
     if p.pp > 1:
         check_pipeline(cfg, args.n_layers)
     if p.cp > 1 and t.seq_len % (2 * p.cp):

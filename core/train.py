@@ -35,7 +35,7 @@ from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
 from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
-from core.models.args import model_args
+from core.models.args import model_args, shape_record
 from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
@@ -333,7 +333,7 @@ class Trainer:
             "world_size": self.world_size,
             "model": {"flavor": self.cfg.model.flavor, "params": sum(
                 p.numel() for m in self.model_parts for p in m.parameters()) if self.dims.pp == 1 else None,
-                "vocab_size": self.model_args.vocab_size},
+                **shape_record(self.model_args)},  # the resolved shape: flavor + model.* overrides
             "toggles_applied": self.toggles.applied,
             "toggles_skipped": self.toggles.skipped,
             **self._pp_record(),
@@ -391,10 +391,31 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     return load_config(known.config, overrides)
 
 
+# Where this process's time went before the trainer (main() fills it; a grouped job has none).
+STARTUP_S: dict[str, float] = {}
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), i.e. interpreter start-up + imports so far."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run(cfg: JobConfig) -> dict:
     """Train with an already validated config inside an initialised process group."""
+    t0 = time.perf_counter()
     trainer = Trainer(cfg)
+    t_init = time.perf_counter() - t0
     record = trainer.train()
+    steps = record["step_times_s"]
+    # rank 0's time per phase: the first step pays lazy init and compilation; "other" is the
+    # logger, checkpoint load and the record's gathers
+    record["timings_s"] = {**STARTUP_S, "trainer_init": t_init, "first_step": steps[0] if steps else 0.0,
+                           "later_steps": sum(steps[1:]),
+                           "other": time.perf_counter() - t0 - t_init - sum(steps)}
     if trainer.rank == 0:
         out = Path(cfg.job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -406,6 +427,7 @@ def run(cfg: JobConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    STARTUP_S["process_start_and_imports"] = _process_age_s()
     quiet_library_warnings()
     try:
         cfg = parse_args(argv)
@@ -418,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: parallelism: a world of {cfg.parallelism.world_size} ranks needs torchrun "
               f"(--nproc_per_node={cfg.parallelism.world_size}) or `run-recipe run`", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
     init_distributed(cfg)
+    STARTUP_S["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
         run(cfg)
     except (CheckpointError, NonFiniteError, BadDocumentError) as e:

@@ -1,6 +1,8 @@
 """Launch the real trainer under torchrun for multi-process tests, and read its record.
 
 Commands and environments come from recipes.launcher (the one place a torchrun command is built).
+Independent jobs of one world size share one torchrun (`GROUPS`, recipes.studies.group_worker):
+start-up (~10-20 s per torchrun on 2 cores) dominates the tiny jobs.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from core.config import load_config, validate
 from recipes import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +50,64 @@ def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def run_group(world: int, jobs: dict[str, list[str]], out: Path, strict: bool = True) -> dict[str, dict]:
+    """One torchrun for all jobs of a world size (recipes.studies.group_worker runs each with
+    core.train.run, one after another). Returns name -> result record; a job without a record
+    raises (strict) or maps to {"error": its error and the log tail}."""
+    specs = []
+    for name, overrides in jobs.items():
+        d = out / name
+        validate(load_config(None, overrides), world, check_files=False)  # before spawning
+        specs.append({"name": name, "overrides": [*overrides, f"--job.output_dir={d}"]})
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / f"jobs_w{world}.json"
+    spec.write_text(json.dumps(specs))
+    cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)])
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=dist_env(world), capture_output=True, text=True,
+                          timeout=900 + 300 * len(jobs))
+    (out / f"jobs_w{world}.log").write_text(proc.stdout + proc.stderr)
+    records, missing = {}, []
+    for name in jobs:
+        f = out / name / "result.json"
+        if f.is_file():
+            records[name] = json.loads(f.read_text())
+        else:
+            missing.append(name)
+            err = out / name / "error.txt"
+            records[name] = {"error": (err.read_text() if err.is_file() else "no result.json") + "\n"
+                             + "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])}
+    if missing and strict:
+        raise RuntimeError(f"no result for {missing} (exit {proc.returncode}):\n{records[missing[0]]['error']}")
+    return records
+
+
+class JobGroups:
+    """Trainer jobs registered by the test modules (name -> world, overrides). The first record asked
+    for runs every registered job of its world size in one torchrun (`run_group`); a job that
+    failed fails only the tests that read it."""
+
+    def __init__(self):
+        self.jobs: dict[str, tuple[int, list[str]]] = {}
+        self.records: dict[str, dict] = {}
+
+    def add(self, world: int, jobs: dict[str, list[str]]) -> None:
+        """Register jobs; names are folder names, unique in the session (prefix them by module)."""
+        for name, overrides in jobs.items():
+            assert self.jobs.get(name, (world, overrides)) == (world, overrides), f"two jobs named {name}"
+            self.jobs[name] = (world, overrides)
+
+    def get(self, name: str, tmp_path_factory) -> dict:
+        if name not in self.records:
+            world = self.jobs[name][0]
+            group = {n: o for n, (w, o) in self.jobs.items() if w == world and n not in self.records}
+            out = tmp_path_factory.mktemp(f"group_w{world}")
+            self.records |= run_group(world, group, out, strict=False)
+        rec = self.records[name]
+        if "error" in rec:
+            raise RuntimeError(f"{name}: the trainer job failed:\n{rec['error']}")
+        return rec
+
+
+GROUPS = JobGroups()  # one per pytest session: every module's jobs of a world size share a torchrun

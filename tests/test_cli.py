@@ -211,10 +211,13 @@ def test_results_from_records_only(tmp_path):
 
 @pytest.mark.slow
 def test_e2e_proxy_run_of_a_table1_row(tmp_path):
-    """The real thing: run-recipe -> torchrun (world 2) -> core.train -> result.json in --out."""
+    """The real thing: run-recipe -> torchrun (world 2) -> core.train -> result.json in --out, with
+    the model's shape from --set (model.dim, ... override the row's flavor)."""
     out = tmp_path / "run"
+    shape = {"dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 8}  # vocabulary: the tokenizer's
     args = [sys.executable, "-m", "recipes.cli", "run", ROW, "--mode", "proxy",
-            "--set", "training.steps=3", "--set", "metrics.progress=false", "--out", str(out)]
+            "--set", "training.steps=3", "--set", "metrics.progress=false", "--out", str(out),
+            *[a for k, v in shape.items() for a in ("--set", f"model.{k}={v}")]]
     if not (ROOT / "assets" / "c4_offline").exists() or \
             not (ROOT / "assets" / "tokenizer" / "proxy_bpe_4k" / "tokenizer.model").is_file():
         args += ["--set", "data.dataset=synthetic"]
@@ -225,6 +228,14 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     assert rec["recipe"] == ROW and rec["mode"] == "proxy"
     assert rec["world_size"] == 2 and rec["steps"] == 3 and len(rec["losses"]) == 3
     assert rec["config"]["parallelism"]["dp_shard"] == 2
+    assert {k: rec["model"][k] for k in shape} == shape and rec["model"]["vocab_size"] == 4352
+    assert rec["model"]["param_count"] == rec["model"]["params"] == 1_639_040  # 2 * 128 * 4352 + 2 blocks + norm
+    assert rec["tokens_per_sec_per_device"] > 0
+    timings = rec["timings_s"]  # where the row's time went, phase by phase
+    assert {"process_start_and_imports", "init_distributed", "trainer_init", "first_step", "later_steps",
+            "other"} <= set(timings) and timings["process_start_and_imports"] > 0.5  # torch alone takes longer
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["tokens_per_sec_per_device"] > 0 for m in steps)
     assert (out / "job.json").is_file() and (out / "train.log").is_file()
     record_line = [line for line in proc.stdout.splitlines() if line.startswith("record: ")]
     assert record_line and "->" not in record_line[0]  # with --out the record stays in --out

@@ -16,6 +16,7 @@ from core.config import (
     resolve_world_size,
     validate,
 )
+from core.models.args import model_args
 from core.parallel.stages import PP_SCHEDULES
 
 pytestmark = pytest.mark.core
@@ -91,6 +92,16 @@ BAD = [
     (["checkpoint.async_mode=later"], "checkpoint.async_mode"),
     (["lr_scheduler.decay_type=step"], "lr_scheduler.decay_type"),
     (["metrics.log_freq=0"], "metrics.log_freq"),
+    (["model.dim=250"], "model.n_heads"),  # debug: 16 heads
+    (["model.dim=80"], "model.n_heads"),  # debug: head dim 80 / 16 = 5, odd
+    (["model.n_heads=4"], "model.n_kv_heads"),  # debug: 8 kv heads do not divide 4 heads
+    (["model.n_heads=16", "model.n_kv_heads=6"], "model.n_kv_heads"),
+    (["model.n_layers=-1"], "model.n_layers"),
+    (["model.ffn_dim_multiplier=-1.3"], "model.ffn_dim_multiplier"),
+    (["model.n_kv_heads=2", "model.flavor=tiny", "parallelism.tp=4", "parallelism.dp_shard=1"],
+     "parallelism.tp"),  # tp divides the 8 heads, not the 2 kv heads
+    (["model.vocab_size=1001", "parallelism.tp=2", "parallelism.dp_shard=1"], "parallelism.tp"),
+    (["model.n_layers=3", "parallelism.pp=4", "parallelism.dp_shard=1"], "parallelism.pp"),
 ]
 
 
@@ -172,3 +183,14 @@ def test_every_field_has_a_doc():
     empty = [k for k, d in docs.items() if not d.strip() or "\n" in d]
     assert not empty, f"fields without a one-line doc: {empty}"
     assert "-1 fills" in docs["parallelism.dp_shard"]
+
+
+def test_model_shape_overrides_validate():
+    """model.dim, ... override the flavor; the checked shape is the one the trainer builds."""
+    shape = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16",
+             "model.vocab_size=2048", "data.dataset=synthetic"]
+    cfg = _cfg([*shape, "parallelism.tp=2", "parallelism.dp_shard=1", "parallelism.pp=2"])
+    a = model_args(cfg, 4352)
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (256, 6, 16, 16, 2048)
+    a = model_args(_cfg(["model.ffn_dim_multiplier=1.5", "model.multiple_of=64"]), None)
+    assert a.ffn_hidden_dim == 1024 and (a.dim, a.n_layers) == (256, 6)  # 682 * 1.5 -> 1023 -> 1024

@@ -93,6 +93,22 @@ def test_every_row_accounting_adds_up():
 
 
 # --------------------------------------------------------------------- scaling directions
+def test_model_shape_override_changes_the_estimate():
+    """model.n_layers / model.dim reach the accounting and the performance model via model_args."""
+    base = R.dry_run(paper_cfg("llama3_8b/table1/8gpu_fsdp"), fake=False)
+    cfg = paper_cfg("llama3_8b/table1/8gpu_fsdp")
+    cfg.model.n_layers = 16
+    half = R.dry_run(cfg, fake=False)
+    # the 16 blocks' share of the state halves; the embedding and output stay
+    assert half["breakdown"]["params"] < 0.6 * base["breakdown"]["params"]
+    assert half["breakdown"]["activations"] < base["breakdown"]["activations"]
+    assert half["predicted"]["step_time_s"] < 0.6 * base["predicted"]["step_time_s"]
+    cfg.model.dim, cfg.model.n_heads = 2048, 16
+    narrow = R.dry_run(cfg, fake=False)
+    assert narrow["breakdown"]["params"] < half["breakdown"]["params"]
+    assert narrow["predicted"]["tokens_per_sec_per_gpu"] > half["predicted"]["tokens_per_sec_per_gpu"]
+
+
 def test_fsdp_degree_divides_parameter_and_optimizer_state():
     a = paper_cfg("llama3_8b/table1/8gpu_fsdp")
     b = paper_cfg("llama3_8b/table1/128gpu_fsdp")

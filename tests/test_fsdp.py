@@ -3,7 +3,7 @@ import pytest
 
 from core.config import load_config, validate
 from core.reference import reference_run
-from tests.dist_utils import TINY_JOB, max_abs_diff, run_trainer
+from tests.dist_utils import GROUPS, TINY_JOB, max_abs_diff
 
 pytestmark = [pytest.mark.core]
 
@@ -26,11 +26,16 @@ def _job(world):
     return [o for o in TINY_JOB if "local_batch_size" not in o] + [f"--training.local_batch_size={8 // world}"]
 
 
+# One torchrun per world size for the jobs of every module (tests.dist_utils.GROUPS).
+for _name, (_world, _extra) in LAYOUTS.items():
+    GROUPS.add(_world, {f"fsdp.{_name}": _job(_world) + _extra})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fsdp_matches_single_process(name, reference, tmp_path):
-    world, extra = LAYOUTS[name]
-    rec = run_trainer(world, _job(world) + extra, tmp_path)
+def test_fsdp_matches_single_process(name, reference, tmp_path_factory):
+    world, _ = LAYOUTS[name]
+    rec = GROUPS.get(f"fsdp.{name}", tmp_path_factory)
     assert rec["steps"] == 10 and rec["world_size"] == world
     assert max_abs_diff(rec["losses"], reference) < 1e-5, (rec["losses"], reference)
     # the loss must actually move, or matching would prove little
@@ -40,9 +45,10 @@ def test_fsdp_matches_single_process(name, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_shards_state_across_ranks(tmp_path):
-    r1 = run_trainer(1, _job(1), tmp_path / "w1")
-    r4 = run_trainer(4, _job(4) + ["--parallelism.dp_shard=4"], tmp_path / "w4")
+def test_fsdp_shards_state_across_ranks(tmp_path_factory):
+    r1 = GROUPS.get("fsdp.fsdp1", tmp_path_factory)  # the one-rank job
+    r4 = GROUPS.get("fsdp.fsdp4", tmp_path_factory)  # dp_shard=4
+    assert (r1["world_size"], r4["world_size"], r4["config"]["parallelism"]["dp_shard"]) == (1, 4, 4)
     total1 = r1["param_bytes_per_rank"][0] + r1["optimizer_bytes_per_rank"][0]
     per_rank4 = [p + o for p, o in zip(r4["param_bytes_per_rank"], r4["optimizer_bytes_per_rank"])]
     assert max(per_rank4) < total1 / 3.5  # dim-0 sharding with padding: close to 1/4

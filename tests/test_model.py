@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.config import load_config
-from core.models.args import model_args, param_count
+from core.models.args import model_args, param_count, shape_record
 from core.models.hf_convert import (
     from_hf_state_dict,
     hf_config,
@@ -73,6 +73,21 @@ def test_model_args_from_the_job_config():
     assert (a.vocab_size, a.rope_scaling) == (777, True)
     assert param_count(a) == count_params(build_model(a))
 
+
+
+def test_model_shape_from_the_job_config():
+    """model.dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of override the flavor
+    (0 keeps it); the module built from the args has the analytic parameter count."""
+    cfg = load_config(overrides=["model.flavor=debug", "model.dim=128", "model.n_layers=3", "model.n_heads=4",
+                                 "model.n_kv_heads=2", "model.ffn_dim_multiplier=1.3", "model.multiple_of=64"])
+    a = model_args(cfg, 1000)
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (128, 3, 4, 2, 1000)
+    assert a.ffn_hidden_dim == 448  # int(1.3 * 341) = 443 -> multiple of 64
+    assert model_args(load_config(overrides=["model.n_layers=2"]), None).dim == FLAVORS["debug"].dim
+    assert FLAVORS["debug"].n_layers == 6  # the table is not touched
+    model = build_model(a)
+    assert len(model.layers) == 3 and param_count(a) == count_params(model)
+    assert shape_record(a)["param_count"] == param_count(a) and shape_record(a)["ffn_hidden_dim"] == 448
 
 def _materialize(flavor, seed):
     torch.manual_seed(seed)

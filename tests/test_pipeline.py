@@ -3,9 +3,6 @@ gradient scale, PP x FSDP2 (x TP), bf16 without FSDP, bubble fractions, bad inpu
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ from core.parallel.stages import (
     split_layers,
     stage_ids_for_rank,
 )
-from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, torchrun_command
+from tests.dist_utils import GROUPS, TINY_JOB, max_abs_diff
 
 pytestmark = [pytest.mark.parity]
 
@@ -180,31 +177,13 @@ WORLD8 = {
 }
 
 
-def _run_group(world: int, jobs: dict[str, list[str]], out: Path) -> dict[str, dict]:
-    """One torchrun for all jobs of a world size (recipes.studies.group_worker runs each with
-    core.train.run). Returns name -> result record; fails with the log tail if any job failed."""
-    specs = []
-    for name, overrides in jobs.items():
-        d = out / name
-        validate(load_config(None, overrides), world, check_files=False)  # before spawning
-        specs.append({"name": name, "overrides": [*overrides, f"--job.output_dir={d}"]})
-    spec = out / f"jobs_w{world}.json"
-    out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps(specs))
-    env = dist_env(world)
-    cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)])
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    records, missing = {}, []
-    for name in jobs:
-        f = out / name / "result.json"
-        if f.is_file():
-            records[name] = json.loads(f.read_text())
-        else:
-            missing.append(name)
-    if missing:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise RuntimeError(f"no result for {missing} (exit {proc.returncode}):\n{tail}")
-    return records
+# One torchrun per world size for the jobs of every module (tests.dist_utils.GROUPS).
+for _world, _jobs in ((2, WORLD2), (4, WORLD4), (8, WORLD8)):
+    GROUPS.add(_world, {f"pp.{name}": overrides for name, overrides in _jobs.items()})
+
+
+def _records(jobs: dict[str, list[str]], tmp_path_factory) -> dict[str, dict]:
+    return {name: GROUPS.get(f"pp.{name}", tmp_path_factory) for name in jobs}
 
 
 @functools.cache
@@ -223,17 +202,17 @@ def _reference(flavor: str, dtype: str = "float32") -> list[float]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _run_group(2, WORLD2, tmp_path_factory.mktemp("pp_w2"))
+    return _records(WORLD2, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return _run_group(4, WORLD4, tmp_path_factory.mktemp("pp_w4"))
+    return _records(WORLD4, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
-    return _run_group(8, WORLD8, tmp_path_factory.mktemp("pp_w8"))
+    return _records(WORLD8, tmp_path_factory)
 
 
 def _check_pp_record(rec: dict, schedule: str, pp: int, micro: int, flavor: str, no_pp: dict | None = None):

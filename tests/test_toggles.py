@@ -29,7 +29,7 @@ from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
 from core.train import Trainer, init_distributed
 from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
-from tests.dist_utils import ROOT, TINY_JOB, max_abs_diff, run_trainer
+from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 
 pytestmark = [pytest.mark.toggles]
 
@@ -158,21 +158,31 @@ def reference_fp32():
     return reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB]), 1, check_files=False))["losses"]
 
 
+# One torchrun per world size for the jobs of every module (tests.dist_utils.GROUPS).
+GROUPS.add(2, {
+    "toggles.compile_fsdp2": _world2_job(2) + ["--parallelism.dp_shard=2", "--compile.enabled=true"],
+    "toggles.compile_tp2_acfull": _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
+                                                    "--activation_checkpoint.mode=full",
+                                                    "--parallelism.enable_async_tp=true"],
+    "toggles.float8_fsdp2_all_gather": _world2_job(2) + [
+        "--training.mixed_precision_param=bfloat16", "--parallelism.dp_shard=2", "--float8.enabled=true",
+        "--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_float8_dynamic_scale_for_fsdp=true"],
+})
+
+
 @pytest.mark.slow
-def test_compile_composes_with_fsdp2(tmp_path, reference_fp32):
-    rec = run_trainer(2, _world2_job(2) + ["--parallelism.dp_shard=2", "--compile.enabled=true"], tmp_path)
+def test_compile_composes_with_fsdp2(tmp_path_factory, reference_fp32):
+    rec = GROUPS.get("toggles.compile_fsdp2", tmp_path_factory)
     assert {"compile", "fsdp"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
 
 
 @pytest.mark.slow
-def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path, reference_fp32):
+def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path_factory, reference_fp32):
     """The two cases torch 2.13 broke, fixed in core.toggles.compile: per-block compile with TP 2
     ('Tensor' object has no attribute '_local_tensor'), and with full AC on top (AOTAutograd
     saving a DeviceMesh). AsyncTP asked for in proxy mode: recorded as skipped, with the reason."""
-    rec = run_trainer(2, _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
-                                           "--activation_checkpoint.mode=full",
-                                           "--parallelism.enable_async_tp=true"], tmp_path)
+    rec = GROUPS.get("toggles.compile_tp2_acfull", tmp_path_factory)
     assert {"compile", "tp", "ac:full"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
     assert "async_tp" not in rec["toggles_applied"]
@@ -251,13 +261,11 @@ def test_float8_fsdp_options_validated():
 
 
 @pytest.mark.slow
-def test_float8_fsdp2_float8_all_gather(tmp_path):
+def test_float8_fsdp2_float8_all_gather(tmp_path_factory):
     bf16 = ["--training.mixed_precision_param=bfloat16"]
     ref = reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB + bf16]), 1,
                                  check_files=False))["losses"]
-    rec = run_trainer(2, _world2_job(2) + bf16 + [
-        "--parallelism.dp_shard=2", "--float8.enabled=true", "--float8.enable_fsdp_float8_all_gather=true",
-        "--float8.precompute_float8_dynamic_scale_for_fsdp=true"], tmp_path)
+    rec = GROUPS.get("toggles.float8_fsdp2_all_gather", tmp_path_factory)
     assert {"float8", "float8:tensorwise", "float8_fsdp_all_gather", "fsdp"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], ref) < FLOAT8_TOLERANCE
 
@@ -353,7 +361,7 @@ def test_trainer_refuses_real_async_tp_before_launch():
     """The trainer's entry point runs check_hardware after validate, before any process group."""
     cmd = [sys.executable, "-m", "core.train", *["--" + o for o in BASE], "--parallelism.tp=2",
            "--compile.enabled=true", "--parallelism.enable_async_tp=true", "--job.mode=real"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "config error: parallelism.enable_async_tp" in proc.stderr and "NVSwitch" in proc.stderr
 

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from core.errors import ConfigError
+
 if TYPE_CHECKING:  # type names only: core.config imports this module
     from core.config import JobConfig
 
@@ -117,13 +119,44 @@ def param_count(flavor_or_args: str | ModelArgs, exclude_embedding: bool = False
     return total - embedding if exclude_embedding else total
 
 
+# `model.<key>` of the job config that replace the flavor's value when set (0 keeps the flavor's).
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier")
+
+
+def shape_overrides(cfg: JobConfig) -> dict:
+    """The config's shape overrides of its flavor: {key: value} for the keys set (non-zero)."""
+    return {k: getattr(cfg.model, k) for k in SHAPE_KEYS if getattr(cfg.model, k)}
+
+
+def check_shape(cfg: JobConfig) -> ModelArgs:
+    """The flavor with the config's shape overrides, checked: ConfigError naming the `model.` key
+    (the tokenizer's vocabulary is not known here; the model is otherwise the job's)."""
+    m = cfg.model
+    for key in (*SHAPE_KEYS, "vocab_size"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}: must be >= 0 (0: the flavor's), got {getattr(m, key)}")
+    a = FLAVORS[m.flavor]
+    shape = {k: getattr(a, k) for k in SHAPE_KEYS} | shape_overrides(cfg)
+    dim, heads, kv = shape["dim"], shape["n_heads"], shape["n_kv_heads"] or shape["n_heads"]
+    src = f"model.dim {dim}" + ("" if m.dim else f" ({m.flavor})")
+    if dim % heads:
+        raise ConfigError(f"model.n_heads: {heads} does not divide {src}")
+    if (dim // heads) % 2:
+        raise ConfigError(f"model.n_heads: head dim {src} / n_heads {heads} = {dim // heads} must be even (RoPE)")
+    if heads % kv:
+        raise ConfigError(f"model.n_kv_heads: {kv} does not divide model.n_heads {heads}"
+                          + ("" if m.n_kv_heads else f" (the {m.flavor} flavor's n_kv_heads: set model.n_kv_heads)"))
+    return model_args(cfg, None)
+
+
 def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
-    """The job's model: its flavor with the config's vocabulary, RoPE scaling and sequence length.
+    """The job's model: its flavor with the config's shape (`model.dim`, ...), vocabulary, RoPE
+    scaling and sequence length.
 
     `vocab_size` is the tokenizer's (None when there is none, e.g. the dry-run): proxy flavors
     follow it unless `model.vocab_size` is set; the published flavors keep Llama 3's.
     """
-    args = dataclasses.replace(FLAVORS[cfg.model.flavor])
+    args = dataclasses.replace(FLAVORS[cfg.model.flavor], **shape_overrides(cfg))
     if cfg.model.vocab_size:
         args.vocab_size = cfg.model.vocab_size
     elif vocab_size and args.vocab_size != LLAMA3_VOCAB_SIZE:  # proxy flavors follow their tokenizer
@@ -133,3 +166,10 @@ def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
     # RoPE table exactly one sequence long: context parallel shards it with the tokens.
     args.max_seq_len = cfg.training.seq_len
     return args
+
+
+def shape_record(args: ModelArgs) -> dict:
+    """The resolved shape and analytic parameter count, as a result record carries them."""
+    return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+            "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim, "multiple_of": args.multiple_of,
+            "ffn_dim_multiplier": args.ffn_dim_multiplier, "param_count": param_count(args)}
