@@ -1,17 +1,14 @@
-"""Typed job configuration: TOML (or JSON) file + `--section.key=value` overrides + validation.
+"""Typed job configuration: TOML (or JSON) file + `--section.key=value` overrides.
 
-Every check that can be made before a process is spawned is made here, and each failure is a
-one-line `ConfigError` naming the key. No `eval`: override values are parsed as TOML literals.
-Enum-like fields are `Literal[...]` types, checked from the annotation (`check_choices`); every
-field carries a one-line doc (`field_docs()`). `validate()` returns a checked copy.
+No `eval`: override values are parsed as TOML literals. Enum-like fields are `Literal[...]` types
+(core/validate.py checks them from the annotation, with every other check made before a process
+is spawned); every field carries a one-line doc (`field_docs()`, printed by `run-recipe keys`).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -21,8 +18,7 @@ from typing import Any, Literal
 import tomllib
 
 from core.errors import ConfigError
-from core.models.args import FLAVORS, check_shape
-from core.parallel.stages import PPSchedule, check_pipeline
+from core.parallel.stages import PPSchedule
 
 # ------------------------------------------------------------------------------- enum-like fields
 # Checked generically from these annotations (`check_choices`); the error lists the valid values.
@@ -245,9 +241,9 @@ def field_docs() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------- loading
-_hints = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
+field_types = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
 def _section_class(name: str):
-    hints = _hints(JobConfig)
+    hints = field_types(JobConfig)
     return hints[name]
 
 
@@ -288,7 +284,7 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], source: str = "config") -> 
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a table of keys in {source}, got {values!r}")
         obj = getattr(cfg, section)
-        hints = _hints(type(obj))
+        hints = field_types(type(obj))
         for key, value in values.items():
             if key not in hints:
                 raise ConfigError(
@@ -345,162 +341,3 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
 
 def save_config(cfg: JobConfig, path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-
-
-# -------------------------------------------------------------------------------- validation
-def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{key}: {value!r} is not one of: {', '.join(valid)}")
-
-
-def check_choices(cfg: JobConfig) -> None:
-    """Every `Literal[...]`-typed field against its annotation, in the config's field order."""
-    for section in dataclasses.fields(JobConfig):
-        obj = getattr(cfg, section.name)
-        for key, typ in _hints(type(obj)).items():
-            if typing.get_origin(typ) is Literal:
-                _one_of(f"{section.name}.{key}", getattr(obj, key), typing.get_args(typ))
-
-
-def _degrees(p: Parallelism, world_size: int | None) -> tuple[int, int]:
-    """(dp_shard with -1 filled, world size); ConfigError when the degrees do not fit the world."""
-    for key in ("dp_replicate", "tp", "pp", "cp"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        raise ConfigError(f"parallelism.dp_shard: must be >= 1 or -1 (fill), got {p.dp_shard}")
-    world = world_size or p.world_size or 0
-    others = p.dp_replicate * p.tp * p.pp * p.cp
-    dp_shard = p.dp_shard
-    if dp_shard == -1:
-        if not world:
-            world = others  # nothing to fill from: dp_shard = 1
-        if world % others:
-            raise ConfigError(
-                f"parallelism: dp_replicate*tp*pp*cp = {others} does not divide the world size {world}")
-        dp_shard = world // others
-    product = others * dp_shard
-    if world and product != world:
-        raise ConfigError(
-            f"parallelism: dp_replicate({p.dp_replicate}) * dp_shard({dp_shard}) * cp({p.cp}) * "
-            f"tp({p.tp}) * pp({p.pp}) = {product}, not the world size {world}")
-    return dp_shard, product
-
-
-def resolve_world_size(cfg: JobConfig, world_size: int | None = None) -> int:
-    """The world size the degrees give (dp_shard = -1 filled from `world_size`); cfg is not changed."""
-    return _degrees(cfg.parallelism, world_size)[1]
-
-
-def _validate_toggles(cfg: JobConfig) -> None:
-    """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.hardware)."""
-    f, p = cfg.float8, cfg.parallelism
-    if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
-        raise ConfigError(f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "
-                          f"(one scale per tensor), got {f.recipe!r}")
-    if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
-        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp: needs "
-                          "float8.enable_fsdp_float8_all_gather = true")
-    if p.enable_async_tp and p.tp < 2:
-        raise ConfigError(f"parallelism.enable_async_tp: needs tensor parallelism (parallelism.tp > 1), got tp {p.tp}")
-    if p.enable_async_tp and not cfg.compile.enabled:
-        raise ConfigError("parallelism.enable_async_tp: AsyncTP is an inductor pass, it needs compile.enabled = true")
-
-
-_RANGES = {  # key: (test, what it means); every value must also be finite
-    "optimizer.lr": (lambda v: v > 0, "> 0"), "optimizer.eps": (lambda v: v > 0, "> 0"),
-    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"), "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1,
-                                                                                          "in [0, 1]"),
-    "training.max_norm": (lambda v: True, "a number"), "metrics.peak_flops": (lambda v: v >= 0, ">= 0"),
-    "training.skip_nonfinite_steps": (lambda v: v >= 0, ">= 0"), "job.proxy_world_limit": (lambda v: v >= 1, ">= 1"),
-}
-
-
-def _check_values(cfg: JobConfig) -> None:
-    """Numbers in their meaningful range (a NaN learning rate or beta1 = 2 fails here, not in the ranks)."""
-    for key, (ok, what) in _RANGES.items():
-        v = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-        if not (math.isfinite(v) and ok(v)):
-            raise ConfigError(f"{key}: must be finite and {what}, got {v}")
-
-
-def _check_tokenizer(cfg: JobConfig) -> None:
-    """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank loads it."""
-    from core.data.tokenizer import Tokenizer  # here: tiktoken is only needed when files are checked
-    try:
-        Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
-    except Exception as e:  # noqa: BLE001 - any parse failure means "not a tokenizer"
-        raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
-    """Every check that needs no process group; ConfigError naming the key. Returns a checked copy
-    with the world resolved (parallelism.dp_shard = -1 filled, parallelism.world_size set); `cfg`
-    itself is not changed."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor: {cfg.model.flavor!r} is not one of: {', '.join(FLAVORS)}")
-    check_choices(cfg)
-    sac = cfg.activation_checkpoint.selective_ac_option
-    if sac != "op" and not (sac.isdigit() and int(sac) >= 1):
-        raise ConfigError(f"activation_checkpoint.selective_ac_option: {sac!r} must be 'op' or an integer >= 1")
-    _validate_toggles(cfg)
-    t = cfg.training
-    for key in ("steps", "local_batch_size", "seq_len", "grad_accum_steps"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"training.{key}: must be >= 1, got {getattr(t, key)}")
-    _check_values(cfg)
-    if cfg.lr_scheduler.warmup_steps < 0:
-        raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
-    if cfg.checkpoint.interval < 1:
-        raise ConfigError(f"checkpoint.interval: must be >= 1, got {cfg.checkpoint.interval}")
-    if cfg.checkpoint.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
-    if cfg.checkpoint.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step: must be >= 0, or -1 for the latest, got {cfg.checkpoint.load_step}")
-    if cfg.checkpoint.folder in ("", ".", "..") or os.path.isabs(cfg.checkpoint.folder):
-        raise ConfigError(f"checkpoint.folder: {cfg.checkpoint.folder!r} must be a sub-folder name of job.output_dir")
-    for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        if getattr(cfg.comm, key) <= 0:
-            raise ConfigError(f"comm.{key}: must be > 0, got {getattr(cfg.comm, key)}")
-    if cfg.comm.trace_buf_size < 0:
-        raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 disables), got {cfg.comm.trace_buf_size}")
-    if cfg.metrics.log_freq < 1:
-        raise ConfigError(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
-
-    dp_shard, world = _degrees(cfg.parallelism, world_size)
-    cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
-    t, p = cfg.training, cfg.parallelism
-    p.dp_shard, p.world_size = dp_shard, world
-    if cfg.job.mode == "proxy" and world > cfg.job.proxy_world_limit:
-        raise ConfigError(f"parallelism: a proxy world of {world} ranks is above job.proxy_world_limit="
-                          f"{cfg.job.proxy_world_limit} (proxies are CPU runs of <= 16 ranks); set "
-                          "job.proxy_world_limit explicitly to allow it")
-    args = check_shape(cfg)  # the flavor with the model.dim, ... overrides; ConfigError naming the key
-    for key in ("n_heads", "n_kv_heads", "ffn_hidden_dim") + (("vocab_size",) if cfg.model.vocab_size else ()):
-        if getattr(args, key) % p.tp:
-            raise ConfigError(f"parallelism.tp: {p.tp} does not divide model {key} {getattr(args, key)} "
-                              f"({cfg.model.flavor})")
-    if p.pp > 1:
-        check_pipeline(cfg, args.n_layers)
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        raise ConfigError(
-            f"training.seq_len: {t.seq_len} must divide by 2 x cp = {2 * p.cp} (load-balanced context parallel)")
-    if p.tp > 1 and t.seq_len % p.tp:
-        raise ConfigError(f"training.seq_len: {t.seq_len} must divide by tp {p.tp} (sequence parallel)")
-    if p.tp > 1 and p.cp > 1 and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
-                          f"tp {p.tp} (sequence parallel inside context parallel)")
-    if check_files:
-        if cfg.data.dataset == "c4_offline" and not Path(cfg.data.path).exists():
-            raise ConfigError(
-                f"data.path: {cfg.data.path} does not exist (build it: python -m core.data.assets --corpus)")
-        if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
-            raise ConfigError(
-                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)")
-        if cfg.data.dataset != "synthetic":
-            _check_tokenizer(cfg)
-        if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
-            raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
-    return cfg

@@ -1,6 +1,6 @@
 """The hardware check of the efficiency toggles, made before anything is built.
 
-`core.config.validate` cannot see the GPUs; this can. The trainer's entry point calls it after
+`core.validate.validate` cannot see the GPUs; this can. The trainer's entry point calls it after
 validate (and a launcher may call it before spawning ranks).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from core.build import build_model, schedule_stages
 from core.checkpoint import Checkpointer, TrainState
 from core.checkpoint_files import CheckpointError
-from core.config import ConfigError, JobConfig, load_config, save_config, validate
+from core.config import ConfigError, JobConfig, load_config, save_config
 from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
@@ -43,6 +43,7 @@ from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
 from core.toggles.float8 import post_optimizer_hook
+from core.validate import validate
 
 if __name__ == "__mp_main__":
     # DCP's checkpoint process (async_with_pinned_mem) re-imports this module as its main and logs

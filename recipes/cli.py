@@ -20,7 +20,8 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from core.config import ConfigError, JobConfig, field_docs, validate
+from core.config import ConfigError, JobConfig, field_docs
+from core.validate import validate
 from recipes import launcher, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError

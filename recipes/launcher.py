@@ -21,8 +21,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config, validate
+from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
 from core.hardware import check_hardware as check_toggles
+from core.validate import validate
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]

@@ -99,9 +99,10 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
     (one per stage with PP). by_speed: rank the ones that fit by predicted tokens/s per GPU on
     the GPU spec `gpu` (default: the paper's), the rules breaking ties."""
-    from core.config import ConfigError, validate
+    from core.config import ConfigError
     from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.models.llama3 import FLAVORS
+    from core.validate import validate
 
     args = FLAVORS[model]
     out = []

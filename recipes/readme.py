@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from core.config import resolve_world_size
+from core.validate import resolve_world_size
 from recipes import registry
 from recipes.launcher import project_root
 from recipes.schema import Recipe

@@ -23,8 +23,9 @@ def main() -> None:
     # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
-    from core.config import load_config, validate
+    from core.config import load_config
     from core.train import init_distributed, run
+    from core.validate import validate
 
     plan = json.loads(Path(sys.argv[1]).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))

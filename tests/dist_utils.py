@@ -10,7 +10,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from core.config import load_config, validate
+from core.config import load_config
+from core.validate import validate
 from recipes import launcher
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ from core.checkpoint_files import (
     read_metadata,
     resolve,
 )
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
 from core.debug import (
     analyze,
     dump_flight_recorder,
@@ -44,6 +44,7 @@ from core.debug import (
 from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer
 from core.train import run
+from core.validate import validate
 from recipes.launcher import launch_env, local_command
 from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
 from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, run_trainer, torchrun_command

@@ -6,18 +6,10 @@ import typing
 
 import pytest
 
-from core.config import (
-    ConfigError,
-    JobConfig,
-    check_choices,
-    field_docs,
-    load_config,
-    parse_override,
-    resolve_world_size,
-    validate,
-)
+from core.config import ConfigError, JobConfig, field_docs, load_config, parse_override
 from core.models.args import model_args
 from core.parallel.stages import PP_SCHEDULES
+from core.validate import check_choices, resolve_world_size, validate
 
 pytestmark = pytest.mark.core
 

@@ -14,10 +14,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
 from core.dryrun import fake_step as F
 from core.dryrun import memory as M
 from core.dryrun import record as R
+from core.validate import validate
 from recipes import dryrun_table as T
 from recipes import launcher, registry
 

@@ -1,8 +1,9 @@
 """FSDP2 and HSDP on CPU gloo against the single-process fp32 reference loop (issue: core)."""
 import pytest
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.reference import reference_run
+from core.validate import validate
 from tests.dist_utils import GROUPS, TINY_JOB, max_abs_diff
 
 pytestmark = [pytest.mark.core]

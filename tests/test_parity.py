@@ -15,11 +15,12 @@ import torch.distributed.tensor.experimental._context_parallel._attention as cp_
 from click.testing import CliRunner
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
 from core.models.llama3 import build_model
 from core.parallel.context import _cpu_flash_attention_rule
 from core.parallel.parallelize import Toggles
 from core.parallel.tensor import tp_styles
+from core.validate import validate
 from recipes.cli import main
 from recipes.studies import parity as P
 

@@ -205,9 +205,10 @@ def test_flop_counter_agrees_with_the_analytic_count():
         sdpa_flop_count,
     )
 
-    from core.config import load_config, validate
+    from core.config import load_config
     from core.dryrun import fake_step as F
     from core.dryrun.runtime import analytic_flops
+    from core.validate import validate
     aten = torch.ops.aten
     fwd_op = aten._scaled_dot_product_flash_attention_for_cpu
     bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward

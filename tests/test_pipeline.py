@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
 from core.parallel.pipeline import bubble_fraction, library_schedules, stage_module
 from core.parallel.stages import (
     PP_SCHEDULES,
@@ -17,6 +17,7 @@ from core.parallel.stages import (
     split_layers,
     stage_ids_for_rank,
 )
+from core.validate import validate
 from tests.dist_utils import GROUPS, TINY_JOB, max_abs_diff
 
 pytestmark = [pytest.mark.parity]

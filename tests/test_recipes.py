@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import validate
+from core.validate import validate
 from recipes import registry
 from recipes.schema import TABLES, RecipeError, deep_merge
 

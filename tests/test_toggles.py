@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from core.config import ActivationCheckpoint, Compile, ConfigError, load_config, validate
+from core.config import ActivationCheckpoint, Compile, ConfigError, load_config
 from core.hardware import check_hardware
 from core.models.llama3 import build_model
 from core.parallel.parallelize import Toggles
@@ -28,6 +28,7 @@ from core.toggles.async_tp import apply_async_tp
 from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
 from core.train import Trainer, init_distributed
+from core.validate import validate
 from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
 from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import time
 
-from core.config import validate
 from core.dryrun.fake_step import fake_step
 from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
 from core.dryrun.runtime import predict
 from core.parallel.mesh import ParallelDims
+from core.validate import validate
 
 METHOD = ("accounting: per-rank timeline of the step (core.dryrun.memory.estimate_memory) -> peak "
           f"allocated, + {ALLOCATOR_GAP_GIB} GiB caching-allocator gap -> peak reserved; fake step: "

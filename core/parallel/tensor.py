@@ -5,7 +5,7 @@ the sequence (SequenceParallel) and each attention / feed-forward gathers the fu
 entry (PrepareModuleInput Shard(1) -> Replicate), runs column-wise (wq, wk, wv, w1, w3: each rank
 owns some heads / hidden units) then row-wise (wo, w2) projections, and reduce-scatters back to
 Shard(1). Grouped-query attention splits query and KV heads by the same degree, so the
-heads-per-KV-head ratio of a shard is the model's (config.validate checks tp divides both).
+heads-per-KV-head ratio of a shard is the model's (core.validate checks tp divides both).
 
 Loss parallel: the output projection keeps its vocabulary-sharded logits as a DTensor
 (Shard(-1)) and the trainer computes cross-entropy under `loss_parallel()`, so the full logits

@@ -8,7 +8,7 @@ overlaps the communication of one chunk with the matmul of another, through symm
 
 Needs: CUDA GPUs joined by NVLink/NVSwitch (peer-to-peer access between every pair of the
 node's GPUs), tensor parallelism (tp > 1) and compile — the last two are checked by
-core.config.validate. On anything else: real mode refuses before launch (ConfigError naming the
+core.validate.validate. On anything else: real mode refuses before launch (ConfigError naming the
 requirement); proxy mode runs without it and records `toggles_skipped["async_tp"]` with the
 reason (on CPU symmetric memory does not exist and the inductor pass would fuse nothing).
 """

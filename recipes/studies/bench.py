@@ -14,9 +14,10 @@ from pathlib import Path
 
 import click
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.reference import reference_run
 from core.train import Trainer
+from core.validate import validate
 from recipes import launcher
 from recipes.results import read_csv, write_csv
 from recipes.studies import checkpoint_bench, toggles_bench

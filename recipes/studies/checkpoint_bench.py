@@ -26,8 +26,9 @@ from pathlib import Path
 
 import click
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.train import Trainer
+from core.validate import validate
 from recipes import launcher
 from recipes.results import write_csv
 from recipes.studies.common import one_rank_group, synthetic_job

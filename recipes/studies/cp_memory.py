@@ -22,8 +22,9 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.train import Trainer, init_distributed
+from core.validate import validate
 from recipes import launcher
 from recipes.studies.common import synthetic_job
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.train import init_distributed, run
+from core.validate import validate
 
 
 def main(spec: str) -> int:

@@ -34,9 +34,10 @@ import click
 import torch
 from tabulate import tabulate
 
-from core.config import load_config, validate
+from core.config import load_config
 from core.parallel.mesh import ParallelDims
 from core.reference import reference_run
+from core.validate import validate
 from recipes import launcher
 from recipes.results import read_csv, write_csv
 

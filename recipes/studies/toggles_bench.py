@@ -33,12 +33,13 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from core.config import Compile, load_config, validate
+from core.config import Compile, load_config
 from core.models.llama3 import FLAVORS, build_model
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
 from core.toggles.compile import apply_compile
 from core.train import Trainer
+from core.validate import validate
 from recipes import launcher
 from recipes.results import write_csv
 from recipes.studies.common import one_rank_group, synthetic_job
