@@ -140,7 +140,7 @@ class Trainer:
             else torch.device("cpu")
         self.out_dir = Path(cfg.job.output_dir)
         self.dims = ParallelDims.from_config(cfg.parallelism)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        self.mesh = self.dims.build_mesh(self.device.type, cfg.comm.init_timeout_seconds)
         self.toggles = Toggles()
         torch.manual_seed(cfg.job.seed)
         if cfg.job.deterministic:
