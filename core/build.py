@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import _random as dtensor_random
 
 from core.config import JobConfig

@@ -42,6 +42,7 @@ __all__ = [
     "build_dataloader",
     "build_tokenizer",
     "check_hub_reachable",
+    "data_sharding",
     "open_documents",
     "synthetic_document",
 ]
@@ -52,6 +53,7 @@ C4_REPO = "allenai/c4"
 HUB_DEFAULT_ENDPOINT = "https://huggingface.co"
 HUB_CONNECT_TIMEOUT_S = 3.0
 _CORPUS_SETUP = "python -m core.data.assets --corpus"
+SHARDINGS = ("global", "per_rank")
 _OFFLINE_HINT = f'set `data.dataset = "c4_offline"` (after `{_CORPUS_SETUP}`)'
 
 
@@ -116,19 +118,20 @@ def synthetic_document(index: int, split: str = "train") -> str:
 class SyntheticDocuments:
     """`num_docs` synthetic documents per pass; position is just the next index."""
 
-    def __init__(self, split: str = "train", num_docs: int | None = None):
+    def __init__(self, split: str = "train", num_docs: int | None = None, rank: int = 0, world: int = 1):
         self.split = split
         self.num_docs = num_docs if num_docs is not None else (100_000 if split == "train" else 1_000)
-        self._next = 0
+        self.rank, self.world = rank, world  # per-rank sharding: documents rank, rank + world, ...
+        self._next = rank
 
     def open(self, position: dict | None) -> None:
-        self._next = int(position["index"]) if position else 0
+        self._next = int(position["index"]) if position else self.rank
 
     def next_text(self) -> str:
         if self._next >= self.num_docs:
             raise StopIteration
         text = synthetic_document(self._next, self.split)
-        self._next += 1
+        self._next += self.world
         return text
 
     def position(self) -> dict:
@@ -178,11 +181,22 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
         )
 
 
-def _open_c4(path: str | None, split: str) -> DocumentSource:
+def _split_by_rank(dataset: Any, rank: int, world: int) -> Any:
+    """This DP rank's part of a streaming dataset: whole shards (files) when their count divides
+    by `world` (C4 en has 1024 train shards), else every world-th document."""
+    if world == 1:
+        return dataset
+    from datasets.distributed import split_dataset_by_node  # local: import cost, as above
+
+    return split_dataset_by_node(dataset, rank=rank, world_size=world)
+
+
+def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     check_hub_reachable()
     from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
-    return HFDocuments(load_dataset(path or C4_REPO, name="en", split=split, streaming=True))
+    ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True)
+    return HFDocuments(_split_by_rank(ds, rank, world))
 
 
 def _c4_offline_files(path: str | None, split: str) -> list[str]:
@@ -199,22 +213,24 @@ def _c4_offline_files(path: str | None, split: str) -> list[str]:
     return [str(f) for f in files]
 
 
-def _open_c4_offline(path: str | None, split: str) -> DocumentSource:
+def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     files = _c4_offline_files(path, split)
     from datasets import load_dataset  # local: import cost, as above
 
-    return HFDocuments(load_dataset("json", data_files=files, split="train", streaming=True))
+    ds = load_dataset("json", data_files=files, split="train", streaming=True)
+    return HFDocuments(_split_by_rank(ds, rank, world))
 
 
-def _open_synthetic(path: str | None, split: str) -> DocumentSource:
-    return SyntheticDocuments(split)
+def _open_synthetic(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
+    return SyntheticDocuments(split, rank=rank, world=world)
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str
     description: str
-    open: Callable[[str | None, str], DocumentSource]  # (path or None, split) -> source
+    # (path or None, split, rank, world) -> source; rank/world: this DP rank's documents only
+    open: Callable[..., DocumentSource]
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -226,10 +242,14 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-def open_documents(dataset: str, path: str | None = None, split: str = "train") -> DocumentSource:
+def open_documents(dataset: str, path: str | None = None, split: str = "train", rank: int = 0,
+                   world: int = 1) -> DocumentSource:
+    """The documents of a dataset; with world > 1 only rank's part of them (per-rank sharding)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; known: {sorted(DATASETS)}")
-    return DATASETS[dataset].open(path, split)
+    if world == 1:
+        return DATASETS[dataset].open(path, split)
+    return DATASETS[dataset].open(path, split, rank, world)
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,6 +268,10 @@ class TokenWindowLoader:
         dp_rank, dp_degree: this rank's place in the data-parallel dimension.
         split: "train" or "validation".
         infinite: start the corpus again when it ends (else stop, dropping a partial batch).
+        sharding: "global" (every rank reads the whole global stream and keeps its slice: the
+            same global batch for any DP degree, for parity) or "per_rank" (each DP rank reads
+            and tokenizes only its own documents and packs its own windows: scales; the batches
+            depend on the DP degree and a resume needs the same one).
 
     Yields `(inputs, labels)`, both int64 `[B, S]`.
     """
@@ -263,7 +287,10 @@ class TokenWindowLoader:
         dp_degree: int = 1,
         split: str = "train",
         infinite: bool = True,
+        sharding: str = "global",
     ):
+        if sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
@@ -283,7 +310,10 @@ class TokenWindowLoader:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.infinite = infinite
-        self._source = open_documents(dataset, path, split)  # errors surface here, at once
+        self.sharding = sharding
+        per_rank = sharding == "per_rank"
+        # errors surface here, at once
+        self._source = open_documents(dataset, path, split, dp_rank if per_rank else 0, dp_degree if per_rank else 1)
         self._opened = False
         self._resume: dict | None = None
         self._epoch = 0
@@ -300,10 +330,11 @@ class TokenWindowLoader:
         # batch of dp_degree * B consecutive windows, so the global batch (and its token order)
         # is the same for any DP degree: exact loss parity across layouts.
         window = self.seq_len + 1
-        global_tokens = self.dp_degree * self.local_batch_size * window
+        per_rank = self.sharding == "per_rank"  # the buffer holds this rank's own stream only
+        global_tokens = (1 if per_rank else self.dp_degree) * self.local_batch_size * window
         while len(self._buffer) < global_tokens:
             self._buffer.extend(self.tokenizer.encode(self._next_document(), bos=True, eos=True))
-        lo = self.dp_rank * self.local_batch_size * window
+        lo = 0 if per_rank else self.dp_rank * self.local_batch_size * window
         mine = torch.tensor(self._buffer[lo : lo + self.local_batch_size * window], dtype=torch.int64)
         del self._buffer[:global_tokens]
         self._batches += 1
@@ -339,9 +370,14 @@ class TokenWindowLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the global token stream. It is the same on every rank (each reads
-        the whole stream), so one copy serves any rank and any DP degree on resume."""
+        the whole stream), so one copy serves any rank and any DP degree on resume. Per-rank
+        sharding: this rank's own position, for the same rank of the same DP degree."""
         position = self._source.position() if self._opened else self._resume
+        extra = {}
+        if self.sharding == "per_rank":
+            extra = {"sharding": "per_rank", "dp_rank": self.dp_rank, "dp_degree": self.dp_degree}
         return {
+            **extra,
             "dataset": self.dataset,
             "split": self.split,
             "epoch": self._epoch,
@@ -357,12 +393,27 @@ class TokenWindowLoader:
                 f"loader state is for dataset {state.get('dataset')!r} split {state.get('split')!r}, "
                 f"not {self.dataset!r} split {self.split!r}"
             )
+        mine = (self.sharding, self.dp_rank, self.dp_degree) if self.sharding == "per_rank" else ("global",)
+        theirs = (state.get("sharding", "global"), state.get("dp_rank"), state.get("dp_degree"))[:len(mine)]
+        if theirs != mine:
+            raise ValueError(
+                f"loader state is of data sharding {theirs}, this loader is {mine}: per-rank sharding "
+                "resumes only on the same DP rank of the same DP degree (use data.sharding = 'global' "
+                "to change the layout mid-run)")
         self._epoch = int(state["epoch"])
         self._docs_in_epoch = int(state["docs_in_epoch"])
         self._resume = state["source_position"]
         self._buffer = [int(t) for t in state["token_buffer"]]
         self._batches = int(state.get("batches", 0))
         self._opened = False  # the source reopens at the saved position on the next batch
+
+
+def data_sharding(cfg: Any) -> str:
+    """`data.sharding` resolved: "auto" is per_rank in real mode, global otherwise (proxies, parity)."""
+    choice = getattr(cfg.data, "sharding", "global")
+    if choice == "auto":
+        return "per_rank" if getattr(cfg.job, "mode", "proxy") == "real" else "global"
+    return choice
 
 
 def build_dataloader(
@@ -374,8 +425,9 @@ def build_dataloader(
     split: str = "train",
     local_batch_size: int | None = None,
 ) -> TokenWindowLoader:
-    """The loader a job config asks for (`data.dataset`, `data.path` (c4_offline), `training.seq_len`,
-    `training.local_batch_size`, `training.dataset_infinite`); checks the ids fit the model."""
+    """The loader a job config asks for (`data.dataset`, `data.path` (c4_offline), `data.sharding`,
+    `training.seq_len`, `training.local_batch_size`, `training.dataset_infinite`); checks the ids
+    fit the model."""
     data, training = cfg.data, cfg.training
     dataset = data.dataset
     # data.path is the local corpus of "c4_offline"; "c4" always streams allenai/c4 from the hub
@@ -390,6 +442,7 @@ def build_dataloader(
         dp_degree=dp_degree,
         split=split,
         infinite=getattr(training, "dataset_infinite", True),
+        sharding=data_sharding(cfg),
     )
     if vocab_size is not None and loader.tokenizer.n_words > vocab_size:
         raise ValueError(
