@@ -33,6 +33,8 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
                     "The four loss-convergence rows as proxies, plotted and checked vs 1D."),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
+    "preflight": ("recipes.studies.preflight:preflight",
+                  "First command on a new node: every feature the rows need, a verdict each, 1D parity."),
     "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
     "toggles-bench": ("recipes.studies.toggles_bench:toggles_bench",
                       "AC, regional compile and Float8 on the CPU proxy."),

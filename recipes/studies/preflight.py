@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -59,8 +60,8 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     from core.parallel.parallelize import Toggles
     from core.train import init_distributed, pipeline_loss
 
-    cfg = validate(load_config(None, overrides), dist.get_world_size() if dist.is_initialized()
-                   else int(os.environ.get("WORLD_SIZE", 1)), check_files=False)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = validate(load_config(None, overrides), world, check_files=False)
     init_distributed(cfg)
     dims = ParallelDims.from_config(cfg.parallelism)
     mesh = dims.build_mesh("cpu", cfg.comm.init_timeout_seconds)
@@ -123,6 +124,7 @@ def _worker_main(argv: list[str]) -> int:
                         help="torch's lazy default (one seed broadcast to all): shows the defect")
     a, overrides = parser.parse_known_args(argv)
     import torch.distributed as dist  # local: as above
+
     from core.noise import quiet_library_warnings
     quiet_library_warnings()
     report = init_report(overrides, per_stage=not a.same_seed_every_stage)
@@ -148,7 +150,162 @@ def run_init_check(world: int, overrides: list[str], out: Path, same_seed: bool 
     return json.loads(out.read_text())
 
 
+
+# ------------------------------------------------------------------------------------- runs
+@dataclass
+class Verdict:
+    feature: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str = ""
+
+
+@dataclass
+class Preflight:
+    out: Path
+    real: bool  # CUDA here: the real form (NCCL, GPUs); else the CPU proxy form
+    verdicts: list[Verdict] = field(default_factory=list)
+    runs: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return "real" if self.real else "proxy"
+
+    def verdict(self, feature: str, ok: bool, detail: str = "") -> None:
+        self.verdicts.append(Verdict(feature, "PASS" if ok else "FAIL", detail))
+        click.echo(f"  {'PASS' if ok else 'FAIL'}  {feature}" + (f": {detail}" if detail else ""))
+
+    def skip(self, feature: str, reason: str) -> None:
+        self.verdicts.append(Verdict(feature, "SKIP", reason))
+        click.echo(f"  SKIP  {feature}: {reason}")
+
+    def train(self, name: str, world: int, overrides: list[str], timeout: float = 600) -> dict | None:
+        """One trainer run (torchrun via recipes.launcher); its record, or None (a FAIL verdict)."""
+        out = self.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        target = launcher.trainer_target(None, [*overrides, f"--job.output_dir={out}", f"--job.mode={self.mode}"])
+        env = launcher.launch_env(self.mode, world, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
+        t0 = time.perf_counter()
+        rc = launcher.run_logged(launcher.torchrun_command(world, target), env, out / "train.log", timeout=timeout)
+        result = out / "result.json"
+        if rc != 0 or not result.is_file():
+            self.verdict(f"run {name} ({world} ranks)", False,
+                         f"exit {rc}; log {out / 'train.log'}:\n{launcher.log_tail(out / 'train.log', 15)}")
+            return None
+        rec = json.loads(result.read_text())
+        self.runs[name] = rec
+        first = rec.get("first_step_peak_memory_gib")
+        click.echo(f"  [{name}] {world} ranks, {time.perf_counter() - t0:.0f} s: step {_mean(rec)*1e3:.0f} ms "
+                   f"(data {1e3 * (rec.get('data_time_s') or 0):.1f} ms), "
+                   f"{rec['tokens_per_sec_per_device']:,.0f} tokens/s/device, peak memory "
+                   f"{rec['peak_memory_gib']:.2f} GiB" + (f" (first step {first:.2f})" if first is not None else "")
+                   + f" [{rec.get('memory_kind', '')}]")
+        return rec
+
+
+def _mean(rec: dict) -> float:
+    steady = rec["step_times_s"][1:] or rec["step_times_s"]
+    return sum(steady) / len(steady)
+
+
+def _finite(losses: list[float]) -> bool:
+    return bool(losses) and all(math.isfinite(x) for x in losses)
+
+
+def run_preflight(out: Path, real: bool) -> Preflight:
+    pf = Preflight(out, real)
+    click.echo(f"preflight ({pf.mode} form) in {out}")
+    # 1. one process: the reference losses, and the seed checkpoint every layout loads
+    # (compiled: one process compiles in seconds where four ranks on a few cores take minutes)
+    ref = pf.train("single", 1, [*BASE, "--checkpoint.enabled=true", "--checkpoint.create_seed_checkpoint=true",
+                                 f"--checkpoint.interval={STEPS}", "--compile.enabled=true"])
+    seed = out / "single" / "checkpoint" / "step-0"
+    if ref is not None:
+        pf.verdict("single process + seed checkpoint", _finite(ref["losses"]) and seed.is_dir(),
+                   f"losses {ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}")
+        pf.verdict("compile (per block)", "compile" in ref["toggles_applied"])
+    # 2. the meta init path on FSDP x TP x PP: per-stage seeds, consistent ranks
+    try:
+        report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], out / "meta_init" / "report.json")
+        problems = check_init(report)
+        pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", not problems,
+                   "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct")
+    except RuntimeError as e:
+        pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", False, str(e)[-600:])
+    # 3. 3D with Interleaved 1F1B on the meta path, from the seed checkpoint: parity with 1D
+    load_seed = ["--checkpoint.enabled=true", f"--checkpoint.resume_from={seed}", f"--checkpoint.interval={STEPS}"]
+    rec = pf.train("3d", 8, [*BASE, *LAYOUT_3D, *META, *load_seed]) if seed.is_dir() else None
+    if rec is not None:
+        pf.verdict("FSDP x TP x PP, Interleaved 1F1B", "pp:Interleaved1F1B" in rec["toggles_applied"]
+                   and {"fsdp", "tp"} <= set(rec["toggles_applied"]), ", ".join(rec["toggles_applied"]))
+        if ref is not None:
+            diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"]))
+            pf.verdict("loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
+                       len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
+                       f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})")
+    # 4. CP + TP with Float8 (TP styles), AsyncTP, DCP saves; then a resume
+    feats = ["--parallelism.cp=2", "--parallelism.tp=2", "--training.local_batch_size=8",
+             "--float8.enabled=true", f"--float8.emulate={'false' if real else 'true'}",
+             "--checkpoint.enabled=true", "--checkpoint.interval=2"]
+    # AsyncTP is an inductor pass (compile) needing CUDA symmetric memory: on GPUs this run compiles
+    # and turns it on; elsewhere the trainer's own hardware check says why it cannot run
+    async_tp = ["--compile.enabled=true", "--parallelism.enable_async_tp=true"]
+    async_problem = None
+    if real:
+        feats += async_tp
+    else:
+        from core.config import load_config  # local: `run-recipe --help` must not import torch
+        from core.toggles.async_tp import hardware_problem
+        async_problem = hardware_problem(load_config(None, [*BASE, *feats, *async_tp]))
+    rec = pf.train("cp_float8", 4, [*BASE, *feats])
+    if rec is not None:
+        applied, skipped = set(rec["toggles_applied"]), rec["toggles_skipped"]
+        pf.verdict("context parallel (CP 2 x TP 2)", rec["config"]["parallelism"]["cp"] == 2
+                   and _finite(rec["losses"]), f"losses {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}")
+        pf.verdict("Float8 linears", "float8" in applied, ", ".join(sorted(a for a in applied if "float8" in a)))
+        if async_problem:
+            skipped = {**skipped, "async_tp": async_problem}
+        for name, feature in (("float8_tp", "Float8 TP styles"), ("async_tp", "AsyncTP")):
+            if name in applied:
+                pf.verdict(feature, True)
+            elif name in skipped and not real:
+                pf.skip(feature, skipped[name])
+            else:
+                pf.verdict(feature, False, skipped.get(name, "not applied"))
+        again = pf.train("cp_float8", 4, [*BASE, *feats, f"--training.steps={STEPS + 2}"])
+        if again is not None:
+            pf.verdict("DCP save + load (resume)", again["start_step"] == STEPS and len(again["losses"]) == 2
+                       and _finite(again["losses"]), f"resumed at step {again['start_step']}")
+    if not real:
+        pf.skip("NCCL", "no CUDA device here: the proxy runs gloo")
+        pf.skip("Float8 matmuls (sm89+)", "no float8 GPU here: torchao's emulation ran instead")
+    return pf
+
+
+@click.command("preflight")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder of the runs (default runs/preflight/<timestamp>).")
+def preflight(out: str | None) -> None:
+    """One node, a few minutes: every feature the rows need, a verdict each, 1D parity."""
+    import torch  # local: `run-recipe --help` must not import torch
+
+    real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
+    folder = Path(out) if out else launcher.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
+    folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    pf = run_preflight(folder, real)
+    failed = [v for v in pf.verdicts if v.status == "FAIL"]
+    summary = {"mode": pf.mode, "wall_s": time.perf_counter() - t0,
+               "verdicts": [v.__dict__ for v in pf.verdicts], "passed": not failed}
+    (folder / "preflight.json").write_text(json.dumps(summary, indent=2) + "\n")
+    counts = {s: sum(v.status == s for v in pf.verdicts) for s in ("PASS", "FAIL", "SKIP")}
+    click.echo(f"preflight: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+               f"(cannot run here) in {summary['wall_s']:.0f} s; {folder / 'preflight.json'}")
+    sys.exit(1 if failed else 0)
+
+
 if __name__ == "__main__":
     if sys.argv[1:3] == ["--worker", "init"]:
         sys.exit(_worker_main(sys.argv[3:]))
-    sys.exit(f"usage: run-recipe preflight (this module's own entry is the torchrun worker)")
+    sys.exit("usage: run-recipe preflight (this module's own entry is the torchrun worker)")
