@@ -143,7 +143,7 @@ def _synthetic(rank, degree, sharding, tok=None):
 def test_per_rank_sharding_reads_only_its_own_documents_and_resumes_exactly():
     loaders = [_synthetic(r, 4, "per_rank") for r in range(4)]
     for loader in loaders:
-        for _ in range(5):
+        for _ in range(20):
             next(loader)
     read = [set(ld.tokenizer.texts) for ld in loaders]
     for r, texts in enumerate(read):
@@ -152,9 +152,9 @@ def test_per_rank_sharding_reads_only_its_own_documents_and_resumes_exactly():
     assert not set.intersection(*read)
     # the global layout tokenizes everything on every rank
     glob = _synthetic(1, 4, "global")
-    for _ in range(5):
+    for _ in range(20):
         next(glob)
-    assert len(glob.tokenizer.texts) > 3 * len(loaders[1].tokenizer.texts)
+    assert len(glob.tokenizer.texts) >= 3 * len(loaders[1].tokenizer.texts) > 0
     # resume: the same rank continues on the exact next token; another rank or degree is refused
     state = loaders[2].state_dict()
     want = [next(loaders[2]) for _ in range(3)]
