@@ -64,9 +64,10 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     cfg = validate(load_config(None, overrides), world, check_files=False)
     init_distributed(cfg)
     dims = ParallelDims.from_config(cfg.parallelism)
-    mesh = dims.build_mesh("cpu", cfg.comm.init_timeout_seconds)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = dims.build_mesh(device.type, cfg.comm.init_timeout_seconds)
     torch.manual_seed(cfg.job.seed)
-    parts, schedule = build_model(model_args(cfg, None), cfg, mesh, dims, torch.device("cpu"), Toggles(),
+    parts, schedule = build_model(model_args(cfg, None), cfg, mesh, dims, device, Toggles(),
                                   pipeline_loss(cfg), per_stage_seed=per_stage)
     ids = [s.stage_index for s in schedule_stages(schedule)] if schedule is not None else [0]
     stages = {}
@@ -137,14 +138,15 @@ def _worker_main(argv: list[str]) -> int:
 
 
 def run_init_check(world: int, overrides: list[str], out: Path, same_seed: bool = False,
-                   timeout: float = 300) -> dict:
-    """Launch the init worker on `world` CPU ranks; returns its report."""
+                   timeout: float = 300, mode: str = "proxy") -> dict:
+    """Launch the init worker on `world` ranks (CPU in proxy mode, GPUs in real mode); returns its report."""
     out.parent.mkdir(parents=True, exist_ok=True)
     target = ["-m", "recipes.studies.preflight", "--worker", "init", "--out", str(out),
               *(["--same-seed-every-stage"] if same_seed else []), *overrides]
     log = out.with_suffix(".log")
     rc = launcher.run_logged(launcher.torchrun_command(world, target),
-                             launcher.launch_env("proxy", world, OMP_NUM_THREADS="1"), log, timeout=timeout)
+                             launcher.launch_env(mode, world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
+                             log, timeout=timeout)
     if rc != 0 or not out.is_file():
         raise RuntimeError(f"init worker failed (exit {rc}); log {log}:\n{launcher.log_tail(log)}")
     return json.loads(out.read_text())
@@ -226,7 +228,7 @@ def run_preflight(out: Path, real: bool) -> Preflight:
         pf.verdict("compile (per block)", "compile" in ref["toggles_applied"])
     # 2. the meta init path on FSDP x TP x PP: per-stage seeds, consistent ranks
     try:
-        report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], out / "meta_init" / "report.json")
+        report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], out / "meta_init" / "report.json", mode=pf.mode)
         problems = check_init(report)
         pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", not problems,
                    "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct")
@@ -289,7 +291,10 @@ def preflight(out: str | None) -> None:
     """One node, a few minutes: every feature the rows need, a verdict each, 1D parity."""
     import torch  # local: `run-recipe --help` must not import torch
 
+    # the real form needs one node of 8 GPUs (the 3D layout); anything less runs the CPU proxy form
     real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
+    if torch.cuda.is_available() and not real:
+        click.echo(f"{torch.cuda.device_count()} GPUs here, 8 needed for the real form: running the CPU proxy form")
     folder = Path(out) if out else launcher.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
