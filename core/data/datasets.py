@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -28,7 +27,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from core.data.sharding import SHARDINGS, check_resume_state, data_sharding, sharding_state, split_by_rank
 from core.data.store import c4_offline_path
+from core.data.synthetic import SyntheticDocuments, synthetic_document
 from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
@@ -53,7 +54,6 @@ C4_REPO = "allenai/c4"
 HUB_DEFAULT_ENDPOINT = "https://huggingface.co"
 HUB_CONNECT_TIMEOUT_S = 3.0
 _CORPUS_SETUP = "python -m core.data.assets --corpus"
-SHARDINGS = ("global", "per_rank")
 _OFFLINE_HINT = f'set `data.dataset = "c4_offline"` (after `{_CORPUS_SETUP}`)'
 
 
@@ -104,40 +104,6 @@ class HFDocuments:
         return copy.deepcopy(self.dataset.state_dict() if self._it is not None else self._start)
 
 
-def synthetic_document(index: int, split: str = "train") -> str:
-    """Document `index` of the synthetic corpus: an arithmetic sequence in words and digits.
-
-    Learnable (after two numbers the rest follows) and fully determined by (split, index).
-    """
-    rng = random.Random((0 if split == "train" else 7_919) * 1_000_003 + index)
-    start, step, count = rng.randrange(0, 1000), rng.randrange(1, 13), rng.randrange(16, 96)
-    numbers = " ".join(str(start + k * step) for k in range(count))
-    return f"Count from {start} in steps of {step}: {numbers}."
-
-
-class SyntheticDocuments:
-    """`num_docs` synthetic documents per pass; position is just the next index."""
-
-    def __init__(self, split: str = "train", num_docs: int | None = None, rank: int = 0, world: int = 1):
-        self.split = split
-        self.num_docs = num_docs if num_docs is not None else (100_000 if split == "train" else 1_000)
-        self.rank, self.world = rank, world  # per-rank sharding: documents rank, rank + world, ...
-        self._next = rank
-
-    def open(self, position: dict | None) -> None:
-        self._next = int(position["index"]) if position else self.rank
-
-    def next_text(self) -> str:
-        if self._next >= self.num_docs:
-            raise StopIteration
-        text = synthetic_document(self._next, self.split)
-        self._next += self.world
-        return text
-
-    def position(self) -> dict:
-        return {"index": self._next}
-
-
 # --------------------------------------------------------------------------------------------
 # the registry
 # --------------------------------------------------------------------------------------------
@@ -181,22 +147,12 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
         )
 
 
-def _split_by_rank(dataset: Any, rank: int, world: int) -> Any:
-    """This DP rank's part of a streaming dataset: whole shards (files) when their count divides
-    by `world` (C4 en has 1024 train shards), else every world-th document."""
-    if world == 1:
-        return dataset
-    from datasets.distributed import split_dataset_by_node  # local: import cost, as above
-
-    return split_dataset_by_node(dataset, rank=rank, world_size=world)
-
-
 def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     check_hub_reachable()
     from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
     ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True)
-    return HFDocuments(_split_by_rank(ds, rank, world))
+    return HFDocuments(split_by_rank(ds, rank, world))
 
 
 def _c4_offline_files(path: str | None, split: str) -> list[str]:
@@ -218,7 +174,7 @@ def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1
     from datasets import load_dataset  # local: import cost, as above
 
     ds = load_dataset("json", data_files=files, split="train", streaming=True)
-    return HFDocuments(_split_by_rank(ds, rank, world))
+    return HFDocuments(split_by_rank(ds, rank, world))
 
 
 def _open_synthetic(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
@@ -268,10 +224,8 @@ class TokenWindowLoader:
         dp_rank, dp_degree: this rank's place in the data-parallel dimension.
         split: "train" or "validation".
         infinite: start the corpus again when it ends (else stop, dropping a partial batch).
-        sharding: "global" (every rank reads the whole global stream and keeps its slice: the
-            same global batch for any DP degree, for parity) or "per_rank" (each DP rank reads
-            and tokenizes only its own documents and packs its own windows: scales; the batches
-            depend on the DP degree and a resume needs the same one).
+        sharding: "global" (every rank reads the whole stream, keeps its slice) or "per_rank"
+            (each DP rank reads only its own documents): see core.data.sharding.
 
     Yields `(inputs, labels)`, both int64 `[B, S]`.
     """
@@ -373,11 +327,8 @@ class TokenWindowLoader:
         the whole stream), so one copy serves any rank and any DP degree on resume. Per-rank
         sharding: this rank's own position, for the same rank of the same DP degree."""
         position = self._source.position() if self._opened else self._resume
-        extra = {}
-        if self.sharding == "per_rank":
-            extra = {"sharding": "per_rank", "dp_rank": self.dp_rank, "dp_degree": self.dp_degree}
         return {
-            **extra,
+            **sharding_state(self.sharding, self.dp_rank, self.dp_degree),
             "dataset": self.dataset,
             "split": self.split,
             "epoch": self._epoch,
@@ -393,27 +344,13 @@ class TokenWindowLoader:
                 f"loader state is for dataset {state.get('dataset')!r} split {state.get('split')!r}, "
                 f"not {self.dataset!r} split {self.split!r}"
             )
-        mine = (self.sharding, self.dp_rank, self.dp_degree) if self.sharding == "per_rank" else ("global",)
-        theirs = (state.get("sharding", "global"), state.get("dp_rank"), state.get("dp_degree"))[:len(mine)]
-        if theirs != mine:
-            raise ValueError(
-                f"loader state is of data sharding {theirs}, this loader is {mine}: per-rank sharding "
-                "resumes only on the same DP rank of the same DP degree (use data.sharding = 'global' "
-                "to change the layout mid-run)")
+        check_resume_state(state, self.sharding, self.dp_rank, self.dp_degree)
         self._epoch = int(state["epoch"])
         self._docs_in_epoch = int(state["docs_in_epoch"])
         self._resume = state["source_position"]
         self._buffer = [int(t) for t in state["token_buffer"]]
         self._batches = int(state.get("batches", 0))
         self._opened = False  # the source reopens at the saved position on the next batch
-
-
-def data_sharding(cfg: Any) -> str:
-    """`data.sharding` resolved: "auto" is per_rank in real mode, global otherwise (proxies, parity)."""
-    choice = getattr(cfg.data, "sharding", "global")
-    if choice == "auto":
-        return "per_rank" if getattr(cfg.job, "mode", "proxy") == "real" else "global"
-    return choice
 
 
 def build_dataloader(
