@@ -38,8 +38,6 @@ ACMode = Literal["none", "full", "selective"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
-InitDevice = Literal["auto", "meta"]
-DataSharding = Literal["auto", "global", "per_rank"]
 DTYPES: tuple[str, ...] = typing.get_args(DType)
 
 
@@ -62,11 +60,7 @@ class Model:
                             metadata={"doc": "0: the tokenizer's n_words (proxy flavors); real ones keep 128256"})
     rope_scaling: RopeScaling = field(default="default",
                                       metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"})
-    init_device: InitDevice = field(
-        default="auto", metadata={"doc": "auto: CPU initialises the whole model on every rank, then shards (the "
-                                         "same weights for every layout); CUDA builds on meta and each rank "
-                                         "initialises its shards, seeded per pipeline stage | meta: that CUDA "
-                                         "path on CPU too (tests, preflight)"})
+    init_device: Literal["auto", "meta"] = field(default="auto", metadata={"doc": "meta: CUDA's meta init on CPU too"})
 
 
 @dataclass
@@ -79,14 +73,8 @@ class Tokenizer:
 class Data:
     dataset: DatasetKind = field(default="c4_offline",
                                  metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"})
-    path: str = field(default="assets/c4_offline",
-                      metadata={"doc": "local corpus (c4_offline): a folder of c4-{split}.*.json.gz shards in C4's "
-                                       "own layout (<path>/en/ or <path>/), e.g. a local copy of allenai/c4 en"})
-    sharding: DataSharding = field(
-        default="auto", metadata={"doc": "global: every rank tokenizes the whole global batch and keeps its slice "
-                                         "(the same batches for any layout: parity, proxies) | per_rank: each DP "
-                                         "rank reads and tokenizes only its own documents (scales) | auto: "
-                                         "per_rank in real mode, else global"})
+    path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline), e.g. a C4 copy"})
+    sharding: Literal["auto", "global", "per_rank"] = field(default="auto", metadata={"doc": "auto: per_rank if real"})
 
 
 @dataclass
