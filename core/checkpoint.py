@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -60,18 +61,25 @@ from torch.distributed.checkpoint.stateful import Stateful
 from core.checkpoint_files import (
     DTYPES,
     INFO,
+    MANIFEST,
     METADATA,
     TMP,
     CheckpointError,
+    CheckpointException,
+    _cause,
+    _errno,
     check_files,
     check_shapes,
     complete_steps,
     export_hf,
     import_hf,
     model_shape,
+    move_aside_if_damaged,
     read_info,
     read_metadata,
     resolve,
+    verify_before_load,
+    write_manifest,
 )
 from core.config import JobConfig
 from core.models.args import ModelArgs
@@ -171,6 +179,8 @@ class Checkpointer:
         self.lr_scheduler, self.dataloader, self.train_state = lr_scheduler, dataloader, train_state
         self.dp_rank, self.dp_degree, self.model_args = dp_rank, dp_degree, model_args
         self.pending: dict | None = None  # the async save in flight
+        self.loaded_from: Path | None = None
+        self.last_bytes = 0  # size on disk of the last complete save (the space a save needs)
         self.stats: list[dict] = []  # per save: step, mode, blocking_s, total_s
         self.pg = None
         self.stager = None
@@ -199,6 +209,8 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             try:
                 path = resolve(self.folder, c.load_step, c.resume_from)
+                if path is not None:  # checksums first: a damaged file is named, never loaded
+                    self.last_bytes = verify_before_load(path)
             except CheckpointError as e:
                 error = str(e)
         # rank 0 decides for everyone (they must all load the same step)
@@ -213,6 +225,7 @@ class Checkpointer:
             return False
         t0 = time.perf_counter()
         step = self._load(Path(path))
+        self.loaded_from = Path(path)
         if self.rank == 0:
             print(f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s", flush=True)
         return True
@@ -254,8 +267,8 @@ class Checkpointer:
             state["rng"] = {f"rank_{self.rank}": torch.get_rng_state()}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:
-            raise CheckpointError(f"{path}: DCP load failed: {type(e).__name__}: {e}") from e
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+            raise CheckpointError(f"{path}: DCP load failed: {_cause(e)}") from None
         step = 0
         if "train_state" in state:
             step = int(json.loads(state["train_state"])["step"])
@@ -324,7 +337,7 @@ class Checkpointer:
             "flavor": self.cfg.model.flavor,
             "layout": self._layout(),
             "dp_degree": self.dp_degree,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "manifest": MANIFEST,  # written with one: a missing one is damage
         }
 
     @torch.no_grad()
@@ -343,19 +356,25 @@ class Checkpointer:
             self.folder.mkdir(parents=True, exist_ok=True)
         # The last save has nothing left to overlap with: synchronous.
         if self.async_mode == "disabled" or last or seed:
-            dcp.save(state, checkpoint_id=str(tmp))
+            try:
+                dcp.save(state, checkpoint_id=str(tmp))
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+                self._failed(step, tmp, "save", e)
             self._finalize(step, tmp, info)
             dt = time.perf_counter() - t0
             self.stats.append({"step": step, "mode": "sync", "blocking_s": dt, "wait_s": 0.0, "total_s": dt})
             return
-        if self.async_mode == "async":
-            upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
-            staging = None
-        else:
-            resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
-                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                  async_stager=self.stager)
-            upload, staging = resp.upload_completion, resp.staging_completion
+        try:
+            if self.async_mode == "async":
+                upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
+                staging = None
+            else:
+                resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
+                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                      async_stager=self.stager)
+                upload, staging = resp.upload_completion, resp.staging_completion
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+            self._failed(step, tmp, "async save", e)
         p = self.pending = {"step": step, "tmp": tmp, "info": info, "upload": upload, "staging": staging,
                             "t0": t0, "blocking_s": time.perf_counter() - t0}
         upload.add_done_callback(lambda _: p.setdefault("done_at", time.perf_counter()))
@@ -377,12 +396,12 @@ class Checkpointer:
         if p is None:
             return
         t0 = time.perf_counter()
-        if p["staging"] is not None:
-            p["staging"].result()
         try:
+            if p["staging"] is not None:
+                p["staging"].result()
             p["upload"].result()
-        except Exception as e:
-            raise CheckpointError(f"{p['tmp']}: async save failed: {type(e).__name__}: {e}") from e
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+            self._failed(p["step"], p["tmp"], "async save", e)
         if in_loop:  # the end-of-run flush is not loop time
             p["wait_s"] = time.perf_counter() - t0  # the next save waited for this upload
             p["blocking_s"] += p["wait_s"]
@@ -392,19 +411,41 @@ class Checkpointer:
                            "total_s": p.get("done_at", time.perf_counter()) - p["t0"]})
 
     def _finalize(self, step: int, tmp: Path, info: dict) -> None:
-        """Rank 0, after DCP finished on every rank: mark complete by an atomic rename."""
+        """Rank 0, after DCP finished on every rank: titan.json, then the manifest of checksums
+        (last), then mark complete by an atomic rename."""
         if self.rank != 0:
             return
-        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-        final = self.folder / f"step-{step}"
-        if final.exists():  # a re-run of the same step (load_step into the past): replace it
-            old = self.folder / f"step-{step}.old{TMP}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        try:
+            (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
+            self.last_bytes = write_manifest(tmp)
+            final = self.folder / f"step-{step}"
+            move_aside_if_damaged(final)
+            if final.exists():  # a re-run of the same step (load_step into the past): replace it
+                old = self.folder / f"step-{step}.old{TMP}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except OSError as e:
+            self._failed(step, tmp, "finalize", e)
         self._purge()
+
+    def _failed(self, step: int, tmp: Path, what: str, e: BaseException) -> None:
+        """A failed save: remove its partial folder (rank 0), keep the latest complete checkpoint,
+        and raise one CheckpointError naming the folder, the cause and, for a full disk, the space."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = complete_steps(self.folder)
+        kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
+        cause, free = _cause(e), shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
+            p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters())
+        if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
+            cause = (f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
+                     f"{free / 2**20:.1f} MiB free on {self.folder} ({cause})")
+        raise CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, "
+                              f"{kept}") from None
 
     def _purge(self) -> None:
         """keep_latest_k: drop the oldest complete checkpoints (the step-0 seed is kept)."""

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class Job:
                         metadata={"doc": "the recipe row id this job runs, if any (copied into the result record)"})
     mode: Mode = field(default="proxy",
                        metadata={"doc": "real | proxy | dry-run (a dry-run never reaches the trainer)"})
+    proxy_world_limit: int = field(default=16, metadata={
+        "doc": "proxy mode refuses larger worlds (proxies are meant for <= 16 CPU ranks); raise it explicitly"})
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Data:
                                  metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"})
     path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline), e.g. a C4 copy"})
     sharding: Literal["auto", "global", "per_rank"] = field(default="auto", metadata={"doc": "auto: per_rank if real"})
+    skip_bad_documents: bool = field(default=False, metadata={
+        "doc": "skip (and count in the record) malformed corpus lines instead of stopping at the first"})
 
 
 @dataclass
@@ -88,6 +93,8 @@ class Training:
                                          metadata={"doc": "FSDP2 param dtype for compute: bfloat16 | float32"})
     mixed_precision_reduce: DType = field(default="float32", metadata={"doc": "gradient reduction dtype"})
     dataset_infinite: bool = field(default=True, metadata={"doc": "restart the dataset when it ends"})
+    skip_nonfinite_steps: int = field(default=0, metadata={
+        "doc": "steps with a non-finite loss or grad norm skipped (update not applied) before the run stops; 0 stops"})
 
 
 @dataclass
@@ -393,6 +400,34 @@ def _validate_toggles(cfg: JobConfig) -> None:
         raise ConfigError("parallelism.enable_async_tp: AsyncTP is an inductor pass, it needs compile.enabled = true")
 
 
+_RANGES = {  # key: (test, what it means); every value must also be finite
+    "optimizer.lr": (lambda v: v > 0, "> 0"), "optimizer.eps": (lambda v: v > 0, "> 0"),
+    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"), "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1,
+                                                                                          "in [0, 1]"),
+    "training.max_norm": (lambda v: True, "a number"), "metrics.peak_flops": (lambda v: v >= 0, ">= 0"),
+    "training.skip_nonfinite_steps": (lambda v: v >= 0, ">= 0"), "job.proxy_world_limit": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def _check_values(cfg: JobConfig) -> None:
+    """Numbers in their meaningful range (a NaN learning rate or beta1 = 2 fails here, not in the ranks)."""
+    for key, (ok, what) in _RANGES.items():
+        v = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        if not (math.isfinite(v) and ok(v)):
+            raise ConfigError(f"{key}: must be finite and {what}, got {v}")
+
+
+def _check_tokenizer(cfg: JobConfig) -> None:
+    """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank loads it."""
+    from core.data.tokenizer import Tokenizer  # here: tiktoken is only needed when files are checked
+    try:
+        Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a tokenizer"
+        raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
     """Every check that needs no process group; ConfigError naming the key. Returns a checked copy
     with the world resolved (parallelism.dp_shard = -1 filled, parallelism.world_size set); `cfg`
@@ -408,8 +443,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     for key in ("steps", "local_batch_size", "seq_len", "grad_accum_steps"):
         if getattr(t, key) < 1:
             raise ConfigError(f"training.{key}: must be >= 1, got {getattr(t, key)}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr: must be > 0, got {cfg.optimizer.lr}")
+    _check_values(cfg)
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps: must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
     if cfg.checkpoint.interval < 1:
@@ -432,6 +466,10 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     t, p = cfg.training, cfg.parallelism
     p.dp_shard, p.world_size = dp_shard, world
+    if cfg.job.mode == "proxy" and world > cfg.job.proxy_world_limit:
+        raise ConfigError(f"parallelism: a proxy world of {world} ranks is above job.proxy_world_limit="
+                          f"{cfg.job.proxy_world_limit} (proxies are CPU runs of <= 16 ranks); set "
+                          "job.proxy_world_limit explicitly to allow it")
     args = FLAVORS[cfg.model.flavor]
     if args.n_heads % p.tp:
         raise ConfigError(f"parallelism.tp: {p.tp} does not divide model n_heads {args.n_heads} ({cfg.model.flavor})")
@@ -455,6 +493,8 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
             raise ConfigError(
                 f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)")
+        if cfg.data.dataset != "synthetic":
+            _check_tokenizer(cfg)
         if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
             raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
     return cfg

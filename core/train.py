@@ -10,6 +10,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -27,8 +28,9 @@ from tqdm import tqdm
 
 from core.build import build_model, schedule_stages
 from core.checkpoint import Checkpointer, TrainState
+from core.checkpoint_files import CheckpointError
 from core.config import ConfigError, JobConfig, load_config, save_config, validate
-from core.data.datasets import build_dataloader
+from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
@@ -130,6 +132,10 @@ class TrainStep:
         return loss.detach()
 
 
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or grad norm stopped the run (the update was never applied or saved)."""
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         quiet_library_warnings()
@@ -161,6 +167,7 @@ class Trainer:
         self.dataloader = build_dataloader(cfg, self.tokenizer, dp_rank=dp_mesh.get_local_rank(),
                                            dp_degree=dp_mesh.size(), vocab_size=self.model_args.vocab_size)
         self.train_state = TrainState()
+        self.skipped_last_step, self.skipped_steps = False, []  # the non-finite guard's steps
         self.checkpointer = None
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(
@@ -208,24 +215,54 @@ class Trainer:
         params = [p for m in self.model_parts for p in m.parameters()]
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group)
-        self.optimizer.step()
-        if self.post_optimizer_hook is not None:
-            self.post_optimizer_hook(self.model_parts)
-        self.lr_scheduler.step()
         # the loss of the global batch: every dp x cp rank saw an equal share of its tokens
         dp_cp = self.mesh["dp_cp"]
         if dp_cp.size() > 1:
             dist.all_reduce(loss, group=dp_cp.get_group())
             loss = loss / dp_cp.size()
-        return loss.item(), float(grad_norm)
+        loss_f, gnorm_f = loss.item(), float(grad_norm)
+        # Non-finite guard: the global norm and loss are the same on every rank, so every rank
+        # skips together; a skipped step leaves weights, optimizer and LR untouched.
+        self.skipped_last_step = not (math.isfinite(loss_f) and math.isfinite(gnorm_f))
+        if self.skipped_last_step:
+            self.optimizer.zero_grad()
+            return loss_f, gnorm_f
+        self.optimizer.step()
+        if self.post_optimizer_hook is not None:
+            self.post_optimizer_hook(self.model_parts)
+        self.lr_scheduler.step()
+        return loss_f, gnorm_f
+
+    def _nonfinite_step(self, loss: float, gnorm: float) -> None:
+        """A step whose loss or grad norm was not finite (its update was skipped): stop, or go on
+        while at most training.skip_nonfinite_steps such steps were seen."""
+        self.skipped_steps.append(self.step)
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"grad norm is {gnorm} (loss {loss:.4f})"
+        limit = self.cfg.training.skip_nonfinite_steps
+        if len(self.skipped_steps) <= limit:
+            if self.rank == 0:
+                print(f"[train] step {self.step}: {what}; update skipped ({len(self.skipped_steps)} of "
+                      f"training.skip_nonfinite_steps={limit})", flush=True)
+            return
+        if self.checkpointer:  # finish the save of the last good step; this state is never saved
+            self.checkpointer.close()
+        raise NonFiniteError(f"step {self.step}: {what}; update skipped and the run stopped "
+                             f"(training.skip_nonfinite_steps={limit}); the last complete checkpoint "
+                             "is kept and holds finite weights")
 
     # ---------------------------------------------------------------------------------- loop
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.training
-        logger = MetricsLogger(self.out_dir, self.rank, cfg.metrics.enable_tensorboard)
         if self.checkpointer:
             self.checkpointer.load()
         self.start_step = self.step  # > 0 when resumed from a checkpoint
+        if self.start_step >= t.steps and not getattr(self.checkpointer, "loaded_final_export", False):
+            raise CheckpointError(f"training.steps: {t.steps} is not above the step {self.start_step} of the "
+                                  f"checkpoint loaded from {self.checkpointer.loaded_from}: nothing to train "
+                                  f"(set training.steps > {self.start_step})")
+        if self.rank == 0:  # a resumed (or re-used) folder: metrics.jsonl continues without duplicates
+            trim_metrics(self.out_dir / "metrics.jsonl", self.start_step)
+        logger = MetricsLogger(self.out_dir, self.rank, cfg.metrics.enable_tensorboard)
         data_iter = iter(self.dataloader)
         tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         fpt = flops_per_token(self.model_args, t.seq_len)
@@ -249,11 +286,8 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            if not (loss == loss and abs(loss) != float("inf")):
-                if self.checkpointer:  # finish the save of the last good step; never save this one
-                    self.checkpointer.close()
-                raise FloatingPointError(f"step {self.step}: loss is {loss}; stopping "
-                                         "(the last complete checkpoint is kept)")
+            if self.skipped_last_step:
+                self._nonfinite_step(loss, gnorm)
             losses.append(loss)
             grad_norms.append(gnorm)
             step_times.append(dt)
@@ -315,6 +349,8 @@ class Trainer:
             "toggles_skipped": self.toggles.skipped,
             **self._pp_record(),
             "steps": len(losses),
+            "skipped_nonfinite_steps": list(self.skipped_steps),
+            "skipped_bad_documents": getattr(self.dataloader, "bad_documents", []),
             "start_step": getattr(self, "start_step", 0),  # losses are of steps start_step+1..
             "losses": losses,
             "grad_norms": grad_norms,
@@ -339,6 +375,26 @@ class Trainer:
         }
 
 
+def trim_metrics(path: Path, last_step: int) -> None:
+    """metrics.jsonl keeps the steps up to `last_step` (a resumed run writes the later ones
+    again): the lines of later steps move to metrics.replaced.jsonl (nothing is lost), atomically."""
+    if not path.is_file():
+        return
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            (keep if json.loads(line).get("step", 0) <= last_step else moved).append(line)
+        except (json.JSONDecodeError, AttributeError):
+            moved.append(line)  # a torn last line of a killed run
+    if not moved:
+        return
+    with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+        f.write("".join(m + "\n" for m in moved))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    tmp.replace(path)
+
+
 def _local_bytes(t: torch.Tensor) -> int:
     t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
@@ -358,7 +414,7 @@ def run(cfg: JobConfig) -> dict:
     if trainer.rank == 0:
         out = Path(cfg.job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "result.json.tmp"
+        tmp = out / f"result.json.{os.getpid()}.tmp"  # unique: a reader sees the old record or the new
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         tmp.replace(out / "result.json")
         save_config(cfg, out / "config.json")
@@ -381,6 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(cfg)
     try:
         run(cfg)
+    except (CheckpointError, NonFiniteError, BadDocumentError) as e:
+        # the project's own failures: raised alike on every rank, said once, in one line
+        dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the group at the first exit: leave rank 0 the time to say it
+            time.sleep(2)
+        return 1
     except Exception as e:
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
         raise

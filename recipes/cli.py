@@ -10,6 +10,7 @@ code that imports this module.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from core.config import ConfigError, JobConfig, validate
+from core.config import ConfigError, JobConfig, field_docs, validate
 from recipes import launcher, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
@@ -32,6 +33,8 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     "convergence": ("recipes.studies.convergence:convergence",
                     "The four loss-convergence rows as proxies, plotted and checked vs 1D."),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
+    "dry-run-table": ("recipes.dryrun_table:main",
+                      "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate)."),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
     "preflight": ("recipes.studies.preflight:preflight",
                   "First command on a new node: every feature the rows need, a verdict each, 1D parity."),
@@ -149,14 +152,28 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+@main.command("keys")
+@click.argument("pattern", required=False, default="")
+def keys_cmd(pattern):
+    """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
+    defaults = _flat(JobConfig().to_dict())
+    rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
+    if not rows:
+        _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
+    click.echo(tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True,
+                        maxcolwidths=[None, 30, 80]))
+
+
 @main.command("show")
 @click.argument("recipe_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
-def show_cmd(recipe_id, as_json):
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`.")
+def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
     try:
         r = registry.get(recipe_id)
-        cfgs = {m: launcher.resolve_config(r, m) for m in ("real", "proxy")}
+        cfgs = {m: launcher.resolve_config(r, m, overrides) for m in ("real", "proxy")}
     except (RecipeError, ConfigError) as e:
         _fail(f"error: {e}", EXIT_CONFIG)
     hard, advisory = launcher.real_requirements(r, cfgs["real"])
@@ -175,9 +192,11 @@ def show_cmd(recipe_id, as_json):
     defaults = _flat(JobConfig().to_dict())
     paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
     skip = ("job.", "tokenizer.path", "data.path")
-    rows = [[k, _short(paper[k]), _short(proxy[k])] for k in paper
+    docs = field_docs()
+    rows = [[k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")] for k in paper
             if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)]
-    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k])] for k in ("tokenizer.path", "data.path")]
+    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
+             for k in ("tokenizer.path", "data.path")]
     click.echo(f"{r.id} — {r.title}")
     click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
     if r.baseline:
@@ -188,7 +207,8 @@ def show_cmd(recipe_id, as_json):
     click.echo(f"\npaper: {r.gpus} GPUs = {r.nnodes()} node(s) x {min(r.gpus, r.gpus_per_node)}"
                f"    proxy: world {cfgs['proxy'].parallelism.world_size}\n")
     click.echo("configuration (keys that differ from the JobConfig defaults)")
-    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy"], disable_numparse=True))
+    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy", "meaning"], disable_numparse=True,
+                        maxcolwidths=[None, None, None, 60]))
     click.echo("\nreference figures")
     click.echo(tabulate([[k, v] for k, v in r.reference.items()] or [["(none)", ""]],
                         headers=["key", "value"], disable_numparse=True))
@@ -237,8 +257,24 @@ def _short(v) -> str:
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
+    with contextlib.ExitStack() as locks:  # each run folder is owned until the command ends
+        _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu)
 
+
+def _own_run_dir(locks: contextlib.ExitStack, r, cfg: JobConfig, run_dir: Path) -> None:
+    """Lock the run folder for this command and check the resume step; exit 2 naming the holder."""
+    try:
+        locks.enter_context(launcher.run_dir_lock(run_dir))
+        launcher.check_resume_step(cfg, run_dir)
+    except launcher.RunDirBusy as e:
+        _fail(f"error: {r.id}: {e}", EXIT_CONFIG)
+    except ConfigError as e:
+        _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
+
+
+def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     recipes = _select(ids, table)
+    several = len(recipes) > 1
     if gpu is not None:
         from core.dryrun.gpuspec import SpecError, load_spec
         if mode != "dry-run":
@@ -277,16 +313,22 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
                 validate(cfg, check_files=True)
             except ConfigError as e:
                 _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
-        plans.append((r, cfg, world, nnodes))
+        run_dir = None
+        if out and (Path(out) / (r.fname if several else "")).is_dir():
+            # a folder that may hold another run, or checkpoints to resume: checked now
+            run_dir = launcher.make_run_dir(r, out, several)
+            _own_run_dir(locks, r, cfg, run_dir)
+        plans.append((r, cfg, world, nnodes, run_dir))
     if mode == "dry-run" and not launcher.dry_run_available():
         _fail("error: dry-run is not available in this build (core.dryrun is missing); "
               "use --mode proxy", EXIT_CANNOT)
 
     # 2. run, print or write each
-    several = len(plans) > 1
     failed = []
-    for r, cfg, world, nnodes in plans:
-        run_dir = launcher.make_run_dir(r, out, several)
+    for r, cfg, world, nnodes, run_dir in plans:
+        if run_dir is None:
+            run_dir = launcher.make_run_dir(r, out, several)
+            _own_run_dir(locks, r, cfg, run_dir)
         job = launcher.write_job(cfg, run_dir)
         click.echo(f"== {r.id} · {mode} · world {world}"
                    + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")

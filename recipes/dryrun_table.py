@@ -1,9 +1,19 @@
 """results/dry_run.csv and results/dry_run.md from the dry-run records."""
 from __future__ import annotations
 
+import csv
 import itertools
+import json
+from pathlib import Path
 
+import click
+from tabulate import tabulate
+
+from core.config import JobConfig, apply_dict
+from core.dryrun import calibrate as calibrate_mod
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
+from core.dryrun.record import dry_run, predicted_record
+from recipes import launcher, registry
 
 CSV_COLUMNS = ("recipe", "world_size", "estimated_peak_gib", "paper_gib", "bench_gib", "error_pct",
                "predicted_tps_per_gpu", "paper_tps_per_gpu", "tps_error_pct")
@@ -18,7 +28,6 @@ def dry_run_rows(records: list[dict], references: dict[str, dict] | None = None)
     """One row per record: the estimate beside the paper's (and the Dec 2024 benchmark's) peak
     reserved memory; error against the paper figure."""
     if references is None:
-        from recipes import registry
         references = {r.id: r.reference for r in registry.all_recipes()}
     rows = []
     for rec in records:
@@ -39,8 +48,6 @@ def dry_run_rows(records: list[dict], references: dict[str, dict] | None = None)
 def write_dry_run_table(records: list[dict], out_dir, references: dict[str, dict] | None = None):
     """results/dry_run.csv (columns CSV_COLUMNS) and results/dry_run.md from dry-run records.
     Returns (csv path, md path)."""
-    import csv
-    from pathlib import Path
     rows = dry_run_rows(records, references)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,7 +62,6 @@ def write_dry_run_table(records: list[dict], out_dir, references: dict[str, dict
 
 
 def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
-    from tabulate import tabulate
     with_ref = [r for r in rows if r["error_pct"] is not None]
     within = [r for r in with_ref if abs(r["error_pct"]) <= GOAL_PCT]
     share = len(within) / len(with_ref) if with_ref else 0.0
@@ -120,12 +126,16 @@ def _markdown(rows: list[dict], by_id: dict[str, dict]) -> str:
               ("- grad_buffers: unsharded gradients before reduce-scatter; with PP, accumulated in the "
               "fp32 reduce dtype across microbatches (torch.distributed.pipelining turns FSDP's sync off "
               "until the last one)."),
+              ("- pp_buffers: what torch.distributed.pipelining holds: a receive buffer per microbatch for "
+              "activations and for gradients, and on the last stage every microbatch's fp32 logits "
+              "(kept in output_chunks for step()'s merged return until the next step)."),
               ("- activations: what the AC mode saves per block (full: the block input; selective op: "
               "matmul and attention outputs; none: everything autograd keeps), times the blocks and "
               "the pipeline microbatches in flight (from the schedule's own action table), with TP/SP "
               "and CP shards; plus the final norm and the saved log-softmax of the loss."),
-              ("- working_set: the transient at the peak: a block's recompute and backward, or the "
-              "cross-entropy's fp32 copies (loss parallel keeps one more)."),
+              ("- working_set: the transient at the peak: a block's recompute and backward (Float8 adds "
+              "the fp8 copies torch._scaled_mm needs transposed), or the cross-entropy's fp32 buffers "
+              "(loss parallel keeps one more)."),
               "- allocator_cache: reserved but not allocated (see ALLOCATOR_GAP_GIB).", ""]
     return "\n".join(lines) + "\n"
 
@@ -168,7 +178,6 @@ def published_effects(predicted: dict[str, float], paper: dict[str, float]) -> l
 
 def _throughput_section(rows: list[dict], by_id: dict[str, dict]) -> list[str]:
     """Predicted vs paper TPS/GPU per row, the goal count and where each row's step goes."""
-    from tabulate import tabulate
     with_ref = [r for r in rows if r["tps_error_pct"] is not None]
     if not any(r["predicted_tps_per_gpu"] is not None for r in rows):
         return []
@@ -212,10 +221,7 @@ def _fmt(v) -> str:
 def records_from_dir(records_dir) -> list[dict]:
     """The dry-run records `run-recipe run ... --mode dry-run` copied to <records_dir>/dry-run/,
     in the registry's row order."""
-    import json
-    from pathlib import Path
 
-    from recipes import registry
     found = {}
     for path in sorted(Path(records_dir, "dry-run").glob("*.json")):
         rec = json.loads(path.read_text())
@@ -223,63 +229,54 @@ def records_from_dir(records_dir) -> list[dict]:
     return [found[r.id] for r in registry.all_recipes() if r.id in found]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m recipes.dryrun_table [--records DIR] [--out DIR]`: results/dry_run.csv and .md from the
-    dry-run records; `--all` first runs every row's dry-run (accounting + fake step) itself."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    from core.dryrun.record import dry_run
-    from recipes import launcher, registry
-    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    ap.add_argument("--records", default=str(launcher.default_records_dir()))
-    ap.add_argument("--out", default=str(launcher.project_root() / "results"))
-    ap.add_argument("--all", action="store_true", help="run every row's dry-run first (minutes)")
-    ap.add_argument("--no-fake", action="store_true", help="with --all: accounting only")
-    ap.add_argument("--predict", action="store_true",
-                    help="add (or refresh) the performance model's `predicted` in the existing records first "
-                         "(seconds; no fake step)")
-    ap.add_argument("--gpu", default=None, help="GPU spec for --all / --predict (default: the paper's)")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="refit the paper spec's two calibrated constants on their named rows and print them")
-    a = ap.parse_args(argv)
-    if a.calibrate:
-        from core.dryrun import calibrate
+@click.command("dry-run-table")
+@click.option("--records", "records_dir", type=click.Path(file_okay=False), default=None,
+              help="Records folder (default: results/records); dry-run records are in its dry-run/.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where dry_run.csv/.md go (default: results/).")
+@click.option("--all", "run_all", is_flag=True, help="Run every row's dry-run first (minutes).")
+@click.option("--no-fake", is_flag=True, help="With --all: accounting only.")
+@click.option("--predict", is_flag=True,
+              help="Add (or refresh) the performance model's `predicted` in the existing records first "
+                   "(seconds; no fake step).")
+@click.option("--gpu", default=None, help="GPU spec for --all / --predict (default: the paper's).")
+@click.option("--calibrate", is_flag=True,
+              help="Refit the paper spec's two calibrated constants on their named rows and print them.")
+def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate):
+    """results/dry_run.csv and .md from the dry-run records (--all first runs every row's dry-run)."""
+    records_dir = Path(records_dir) if records_dir else launcher.default_records_dir()
+    out_dir = Path(out_dir) if out_dir else launcher.results_root()
+    gpu_kw = {"gpu": gpu} if gpu else {}
+    if calibrate:
         rows = {k: (launcher.resolve_config(registry.get(rid), "dry-run"),
-                    registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
-        print({**calibrate.fit(rows), "rows": calibrate.ROWS})
-        return 0
-    if a.all:
-        dest = Path(a.records, "dry-run")
+                    registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate_mod.ROWS.items()}
+        click.echo({**calibrate_mod.fit(rows), "rows": calibrate_mod.ROWS})
+        return
+    dest = records_dir / "dry-run"
+    if run_all:
         dest.mkdir(parents=True, exist_ok=True)
         for r in registry.all_recipes():
-            cfg = launcher.resolve_config(r, "dry-run")
-            rec = dry_run(cfg, fake=not a.no_fake, **({"gpu": a.gpu} if a.gpu else {}))
+            rec = dry_run(launcher.resolve_config(r, "dry-run"), fake=not no_fake, **gpu_kw)
             (dest / f"{r.fname}.json").write_text(json.dumps(rec, indent=2, default=str) + "\n")
-            print(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, "
-                  f"{rec['dry_run_s']} s", flush=True)
-    if a.predict:
-        from core.dryrun.record import predicted_record
-        for path in sorted(Path(a.records, "dry-run").glob("*.json")):
+            click.echo(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, "
+                       f"{rec['dry_run_s']} s")
+    if predict:
+        known = {r.id for r in registry.all_recipes()}
+        for path in sorted(dest.glob("*.json")):
             rec = json.loads(path.read_text())
-            if rec.get("recipe") not in {r.id for r in registry.all_recipes()}:
+            if rec.get("recipe") not in known:
                 continue
             # The record's own resolved config when it has one, else the row's.
-            cfg = launcher.resolve_config(registry.get(rec["recipe"]), "dry-run")
-            if rec.get("config"):
-                from core.config import JobConfig, apply_dict
-                cfg = apply_dict(JobConfig(), rec["config"], str(path))
-            rec["predicted"] = predicted_record(cfg, a.gpu) if a.gpu else predicted_record(cfg)
+            cfg = (apply_dict(JobConfig(), rec["config"], str(path)) if rec.get("config")
+                   else launcher.resolve_config(registry.get(rec["recipe"]), "dry-run"))
+            rec["predicted"] = predicted_record(cfg, **gpu_kw)
             path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
-    records = records_from_dir(a.records)
+    records = records_from_dir(records_dir)
     if not records:
-        print(f"no dry-run records under {a.records}/dry-run: run `run-recipe run --table <t> --mode dry-run`")
-        return 1
-    for path in write_dry_run_table(records, a.out):
-        print(path)
-    return 0
+        raise click.ClickException(f"no dry-run records under {dest}: run `run-recipe run --table <t> --mode dry-run`")
+    for path in write_dry_run_table(records, out_dir):
+        click.echo(path)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -7,14 +7,17 @@ Nothing here trains: every run is `python -m torch.distributed.run ... -m core.t
 from __future__ import annotations
 
 import codecs
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,15 +270,119 @@ def write_job(cfg: JobConfig, run_dir: Path) -> Path:
     return path
 
 
+def atomic_copy(src: Path, dest: Path) -> Path:
+    """Copy through a temporary name unique to this process and an atomic rename: concurrent
+    writers never collide on the temporary, and a reader sees the old file or the new one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
 def copy_record(result: Path, records_dir: Path | None, mode: str, recipe: Recipe) -> Path | None:
     if records_dir is None:
         return None
-    dest = Path(records_dir) / mode / f"{recipe.fname}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".json.tmp")
-    shutil.copyfile(result, tmp)
-    tmp.replace(dest)
-    return dest
+    return atomic_copy(result, Path(records_dir) / mode / f"{recipe.fname}.json")
+
+
+# ------------------------------------------------------------------------ run-folder lock
+LOCK = ".run.lock"
+
+
+class RunDirBusy(RuntimeError):
+    """The run folder is owned by another live run (exit code 2: nothing was spawned)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path):
+    """Own `run_dir` for one run: `<run_dir>/.run.lock` names the holder (host, pid, start). A
+    second run is refused naming the holder; a lock of a dead process on this host is stale:
+    reported and taken over. Released (removed) when the block ends."""
+    lock = Path(run_dir) / LOCK
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text())
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
+                    and not _pid_alive(holder["pid"]):
+                print(f"note: {lock}: stale lock of pid {holder['pid']} on {holder['host']} (started "
+                      f"{holder.get('started', '?')}, no longer running): taken over", file=sys.stderr)
+                lock.unlink(missing_ok=True)
+                continue
+            who = (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}"
+                   if holder else "an unreadable lock")
+            hint = "" if holder.get("host") == me["host"] else \
+                " (another host: if that run is dead, remove the lock file)"
+            raise RunDirBusy(f"{run_dir}: in use by another run ({who}; lock file {lock}){hint}; "
+                             "use another --out") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        break
+    else:
+        raise RunDirBusy(f"{run_dir}: could not take the lock {lock}")
+    try:
+        yield lock
+    finally:
+        try:
+            if json.loads(lock.read_text()).get("pid") == me["pid"]:
+                lock.unlink()
+        except (OSError, json.JSONDecodeError):
+            pass
+
+
+def checkpoint_steps(cfg: JobConfig, run_dir: Path) -> list[int]:
+    """Complete checkpoint steps the run in `run_dir` would resume from (torch-free scan)."""
+    folder = Path(run_dir) / cfg.checkpoint.folder
+    if not cfg.checkpoint.enabled or not folder.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in folder.glob("step-*")
+                  if p.name[5:].isdigit() and (p / ".metadata").is_file())
+
+
+def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
+    """(step, folder) a run starts at from checkpoint.resume_from: a full checkpoint's step (a
+    weights-only one starts at 0), read from its titan.json without torch."""
+    src, c = Path(cfg.checkpoint.resume_from), cfg.checkpoint
+    if not (src / ".metadata").is_file():
+        steps = sorted(int(p.name[5:]) for p in src.glob("step-*") if p.name[5:].isdigit())
+        src = src / f"step-{c.load_step if c.load_step >= 0 else (steps or [0])[-1]}"
+    try:
+        info = json.loads((src / "titan.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return (int(info.get("step", 0)), src) if info.get("kind") == "full" else None
+
+
+def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
+    """training.steps must be above the step the run would resume from (ConfigError naming it)."""
+    steps = checkpoint_steps(cfg, run_dir)
+    at = cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else (steps[-1] if steps else 0)
+    where = run_dir / cfg.checkpoint.folder
+    if not steps and cfg.checkpoint.enabled and cfg.checkpoint.resume_from:
+        at, where = _resume_from_step(cfg) or (0, where)
+    if at and at >= cfg.training.steps:
+        raise ConfigError(f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
+                          f"from ({where}); set training.steps > {at}")
 
 
 # ------------------------------------------------------------------------------ launching
@@ -362,7 +469,9 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     record.setdefault("config", cfg.to_dict())
     record.setdefault("finished_at",
                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (run_dir / "result.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp = run_dir / f".result.json.{os.getpid()}.tmp"  # a reader sees no half-written record
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, run_dir / "result.json")
     return record
 
 
@@ -376,7 +485,8 @@ def launch_trainer(world: int, overrides: list[str], out_dir: str | Path, config
     target = trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"])
     cmd = torchrun_command(world, target, max_restarts=max_restarts)
     log = out_dir / "train.log"
-    rc = run_logged(cmd, launch_env(mode, world), log, echo)
+    with run_dir_lock(out_dir):
+        rc = run_logged(cmd, launch_env(mode, world), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():
         raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{log_tail(log)}")

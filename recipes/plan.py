@@ -128,6 +128,7 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
                     cfg.activation_checkpoint.save_every_other_mm = True
                     cfg.compile.enabled = compile_
                     cfg.float8.enabled = float8
+                    cfg.float8.enable_fsdp_float8_all_gather = float8  # as --float8's help says
                     try:
                         validate(cfg, check_files=False)
                     except ConfigError:

@@ -15,6 +15,8 @@ its slice of every global batch as `(inputs[B, S], labels[B, S])` int64 tensors.
 from __future__ import annotations
 
 import copy
+import gzip
+import json
 import logging
 import os
 import socket
@@ -34,16 +36,19 @@ from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "DATASETS",
+    "BadDocumentError",
     "DatasetSpec",
     "DatasetUnavailableError",
     "DocumentSource",
     "HFDocuments",
+    "JsonLinesDocuments",
     "SyntheticDocuments",
     "TokenWindowLoader",
     "build_dataloader",
     "build_tokenizer",
     "check_hub_reachable",
     "data_sharding",
+    "find_bad_line",
     "open_documents",
     "synthetic_document",
 ]
@@ -77,16 +82,86 @@ class DocumentSource(Protocol):
         """Where the stream stands, right after the last document returned."""
 
 
+class BadDocumentError(ValueError):
+    """A malformed corpus line; the message names the file and the line."""
+
+
+def _parse_line(raw: bytes, text_field: str) -> str:
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or not isinstance(doc.get(text_field), str):
+        raise TypeError(f"not a JSON object with a string {text_field!r}")
+    return doc[text_field]
+
+
+def find_bad_line(files: list[str], text_field: str = "text") -> str | None:
+    """'file:line: what' of the first malformed line of JSON-lines (gzip) files, or None."""
+    for name in files:
+        try:
+            with gzip.open(name, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    try:
+                        _parse_line(raw, text_field)
+                    except (ValueError, TypeError) as e:
+                        return f"{name}:{n}: malformed document ({e})"
+        except (OSError, EOFError) as e:
+            return f"{name}: unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+class JsonLinesDocuments:
+    """The documents of local JSON-lines shards (gzip), in file then line order (the order the
+    `datasets` JSON reader gives), skipping malformed lines and keeping their 'file:line'.
+    Used when data.skip_bad_documents is on. Position: {"file": index, "line": lines read}."""
+
+    def __init__(self, files: list[str], text_field: str = "text"):
+        self.files, self.text_field = files, text_field
+        self.bad: list[str] = []  # 'file:line' of the skipped lines
+        self._file, self._line, self._f = 0, 0, None
+
+    def open(self, position: dict | None) -> None:
+        if self._f is not None:
+            self._f.close()
+        self._file, self._line = (position["file"], position["line"]) if position else (0, 0)
+        self._f = None
+
+    def next_text(self) -> str:
+        while True:
+            if self._f is None:
+                if self._file >= len(self.files):
+                    raise StopIteration
+                self._f = gzip.open(self.files[self._file], "rb")  # noqa: SIM115 - kept open across calls
+                for _ in range(self._line):
+                    self._f.readline()
+            raw = self._f.readline()
+            if not raw:
+                self._f.close()
+                self._f, self._file, self._line = None, self._file + 1, 0
+                continue
+            self._line += 1
+            try:
+                return _parse_line(raw, self.text_field)
+            except (ValueError, TypeError) as e:
+                where = f"{self.files[self._file]}:{self._line}"
+                if where not in self.bad:
+                    self.bad.append(where)
+                    logger.warning("%s: malformed document skipped (%s)", where, e)
+
+    def position(self) -> dict:
+        return {"file": self._file, "line": self._line}
+
+
 class HFDocuments:
     """Documents of a Hugging Face streaming `IterableDataset`.
 
     Resume uses the dataset's own `state_dict()` (shard index + offset), so a resumed C4 run
-    does not re-read the shards it has already consumed.
+    does not re-read the shards it has already consumed. `files`: the local shards it reads, if
+    any; a read error is then reported as the malformed line that caused it.
     """
 
-    def __init__(self, dataset: Any, text_field: str = "text"):
+    def __init__(self, dataset: Any, text_field: str = "text", files: list[str] | None = None):
         self.dataset = dataset
         self.text_field = text_field
+        self.files = files
         # `load_state_dict` is applied again at every `iter()`, so every epoch starts from an
         # explicit state: this one for "from the beginning".
         self._start = dataset.state_dict()
@@ -98,7 +173,19 @@ class HFDocuments:
 
     def next_text(self) -> str:
         assert self._it is not None, "open() first"
-        return next(self._it)[self.text_field]
+        try:
+            text = next(self._it).get(self.text_field)
+            if not isinstance(text, str):  # a line without the field: the merged schema gives None
+                raise TypeError(f"no string {self.text_field!r}")
+            return text
+        except StopIteration:
+            raise
+        except Exception as e:  # pyarrow / datasets errors name no line
+            where = find_bad_line(self.files, self.text_field) if self.files else None
+            if where is None:
+                raise
+            raise BadDocumentError(f"{where}; fix or remove it, or set data.skip_bad_documents=true "
+                                   f"(the reader said {type(e).__name__})") from None
 
     def position(self) -> dict:
         return copy.deepcopy(self.dataset.state_dict() if self._it is not None else self._start)
@@ -174,7 +261,7 @@ def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1
     from datasets import load_dataset  # local: import cost, as above
 
     ds = load_dataset("json", data_files=files, split="train", streaming=True)
-    return HFDocuments(split_by_rank(ds, rank, world))
+    return HFDocuments(split_by_rank(ds, rank, world), files=files)
 
 
 def _open_synthetic(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
@@ -319,6 +406,11 @@ class TokenWindowLoader:
 
     # -- state ----------------------------------------------------------------------------------
     @property
+    def bad_documents(self) -> list[str]:
+        """'file:line' of the malformed lines skipped so far (data.skip_bad_documents)."""
+        return list(getattr(self._source, "bad", []))
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -381,6 +473,14 @@ def build_dataloader(
         infinite=getattr(training, "dataset_infinite", True),
         sharding=data_sharding(cfg),
     )
+    if dataset == "c4_offline" and getattr(data, "skip_bad_documents", False):
+        files = _c4_offline_files(path, split)
+        if loader.sharding == "per_rank" and dp_degree > 1:  # this rank's shards only
+            if len(files) % dp_degree:
+                raise ValueError(f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
+                                 f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')")
+            files = files[dp_rank::dp_degree]
+        loader._source = JsonLinesDocuments(files)  # same order, skips bad lines
     if vocab_size is not None and loader.tokenizer.n_words > vocab_size:
         raise ValueError(
             f"the tokenizer has {loader.tokenizer.n_words} ids but the model's vocabulary is {vocab_size}"

@@ -1,4 +1,4 @@
-"""The two calibrated constants of the paper's GPU spec, refitted: `python -m recipes.dryrun_table
+"""The two calibrated constants of the paper's GPU spec, refitted: `run-recipe dry-run-table
 --calibrate` (which hands this module the two rows: core never imports the recipes).
 
 Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited benchmark.

@@ -5,8 +5,12 @@ each action of the rank's schedule table), each term named: sharded fp32 paramet
 AdamW's two fp32 states, FSDP's unsharded bf16/float8 parameters in flight (and, with PP, kept
 across microbatches), unsharded gradient buffers (fp32 accumulation under PP), saved activations
 for the AC mode (none / full / selective op or layer), the PP microbatches in flight, the working
-set of one layer's recompute + backward and of the loss, with TP/SP and CP shards. It runs no
-torch ops, so the layout advisor can use it for many candidates.
+set of one layer's recompute + backward (with Float8's transposed fp8 copies) and of the loss,
+with TP/SP and CP shards. Under PP, what torch.distributed.pipelining holds (`pp_buffers`): a
+receive buffer per microbatch for activations and for gradients, and on the last stage every
+microbatch's fp32 logits, kept in `output_chunks` for the merged return. It runs no torch ops,
+so the layout advisor can use it for many candidates. Zero-bubble schedules are approximated:
+their I action frees what the W action would.
 
 Peak *reserved* memory on CUDA (the paper's figure) is the allocator's peak allocation plus what
 the caching allocator holds but does not use: one stated term, `ALLOCATOR_GAP_GIB`, the same for
@@ -34,6 +38,9 @@ ALLOCATOR_GAP_GIB = 9.1
 # The paper's GPUs: H100 96 GB HBM2e, of which PyTorch can reserve about 95 GiB; the allocator
 # frees its cache and retries rather than reserve past it.
 PAPER_GPU_GIB = 95.0
+# Bytes per logit of the model's output: core/models/llama3.py returns fp32 logits, as
+# torchtitan's model does (`self.output(h).float()`); tests/test_estimate.py checks the model.
+MODEL_LOGITS_BYTES = 4
 
 
 # =============================================================================================
@@ -155,15 +162,22 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
     noac = _noac_saved(s, compiled)
     noac_total = sum(noac.values())
     T, a = s.tokens, s.act
+    block_input = T * s.sp * a * s.d
+    # Of the saved bytes, the block input itself (under PP a stage's first block saves the
+    # schedule's receive buffer, which pp_buffers already counts): checkpointed blocks and
+    # inductor's graphs keep it; eager autograd keeps the norm's fp32 upcast instead.
+    noac_input = block_input if compiled else 0.0
     if ac.mode == "none":
-        saved = noac
+        saved, input_saved = noac, noac_input
     elif ac.mode == "full":
-        saved = {"block_input": T * s.sp * a * s.d}
+        saved, input_saved = {"block_input": block_input}, block_input
     elif ac.selective_ac_option == "op":
         saved = _sac_op_saved(s, every_other_mm=getattr(ac, "save_every_other_mm", False))
+        input_saved = block_input
     else:  # every k-th block fully checkpointed: average over the blocks
         k = int(ac.selective_ac_option)
-        saved = {"block_input_or_all": ((k - 1) * noac_total + T * s.sp * a * s.d) / k}
+        saved = {"block_input_or_all": ((k - 1) * noac_total + block_input) / k}
+        input_saved = ((k - 1) * noac_input + block_input) / k
     saved_total = sum(saved.values())
     # Working set beyond what is saved (checked against torch's MemTracker in
     # tests/test_estimate.py). Forward, at the FFN: the all-gathered input and the partial output
@@ -181,11 +195,17 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
     recompute = max(0.0, noac_total - saved_total) if ac.mode != "none" else 0.0
     ffn_part = noac["ffn_hidden"] + (noac.get("norm", 0) + noac.get("norm_inputs", 0) + noac["linear_inputs"]) / 2
     ffn_bwd = recompute + (1 if compiled else 2) * hidden + full_seq
+    if cfg.float8.enabled:
+        # torchao's float8 backward: torch._scaled_mm takes row-major x column-major operands, so
+        # a linear's weight gradient needs the output gradient cast to fp8 again, transposed, and
+        # its fp8 input copied transposed (1 byte each); eager also holds the first cast and a
+        # contiguous copy until the backward returns. The FFN's largest linear (w1 or w2):
+        ffn_bwd += T * (s.d + s.f) if compiled else T * max(s.f + 3 * s.d, s.d + 3 * s.f)
     attn_bwd = (recompute - (ffn_part if recompute else 0.0) + full_seq
                 + T * a * (s.q + 2 * kv_sdpa) + _cp_attention_work(s, backward=True))
     if ac.mode == "none":
         ffn_fwd, attn_fwd = io, io + _cp_attention_work(s, backward=False)  # the rest is saved
-    return {"saved": saved_total, "saved_parts": saved, "no_ac_saved": noac_total,
+    return {"saved": saved_total, "saved_parts": saved, "no_ac_saved": noac_total, "input_saved": input_saved,
             "fwd_work": max(ffn_fwd, attn_fwd), "bwd_work": max(ffn_bwd, attn_bwd)}
 
 
@@ -193,24 +213,26 @@ def head_memory(cfg, s: Shapes | None = None) -> dict:
     """The final norm + output projection + cross-entropy of the last stage (bytes per
     microbatch): what stays saved after forward and the extra working set of the loss.
 
-    Cross-entropy as the trainer computes it: bf16 logits -> fp32 copy -> log-softmax (its fp32
-    output is saved) -> NLL. Forward peak: logits + fp32 copy + log-softmax output, 10 bytes per
-    logit (14 with loss parallel, whose DTensor log-softmax keeps an fp32 shifted copy);
-    backward: the saved output, its gradient and the input gradient, 12 bytes per logit (16).
-    Measured with torch's MemTracker on real tensors (tests/test_estimate.py checks it; under
-    FakeTensorMode the tracker also counts the global-shape tensors of DTensor's sharding
-    propagation in the loss-parallel handlers, 8 bytes per logit per TP rank, which no GPU holds).
+    The model returns fp32 logits (MODEL_LOGITS_BYTES; its bf16 projection output is freed by
+    the cast) -> log-softmax (its fp32 output is saved) -> NLL. Forward peak: logits +
+    log-softmax output, 8 bytes per logit (12 with loss parallel, whose DTensor log-softmax keeps
+    an fp32 shifted copy; bf16 logits would add their fp32 copy); backward: the saved output, its
+    gradient and the input gradient, 12 bytes per logit (16). Measured with torch's MemTracker on
+    real tensors (tests/test_estimate.py checks it; under FakeTensorMode the tracker also counts
+    the global-shape tensors of DTensor's sharding propagation in the loss-parallel handlers, 8
+    bytes per logit per TP rank, which no GPU holds).
     """
     s = s or shapes(cfg)
     T, a, V = s.tokens, s.act, s.vocab
-    loss_parallel = s.tp > 1 and cfg.parallelism.loss_parallel
+    lp = 4 if (s.tp > 1 and cfg.parallelism.loss_parallel) else 0
     norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d  # + the projection's input
     lsm = 4 * T * V
-    fwd_peak = T * V * (a + 4 + 4 + (4 if loss_parallel else 0))
-    bwd_peak = T * V * (4 + 4 + 4 + (4 if loss_parallel else 0))
+    logits = MODEL_LOGITS_BYTES * T * V
+    fwd_peak = logits + T * V * ((4 if MODEL_LOGITS_BYTES != 4 else 0) + 4 + lp)
+    bwd_peak = T * V * (4 + 4 + 4 + lp)
     return {"saved": norm_saved + lsm, "norm_saved": norm_saved, "log_softmax": lsm,
             "loss_fwd_work": fwd_peak - lsm, "loss_bwd_work": bwd_peak - lsm,
-            "logits_grad": T * V * a}
+            "logits": logits, "logits_grad": T * V * a}
 
 
 # =============================================================================================
@@ -350,35 +372,53 @@ def _simulate_pipeline(cfg, stages: list[tuple[int, StageParams]], actions: list
     # stage receives and for the gradients it receives; a stage input lives in its buffer.
     for sp in by_id.values():
         tl.add(pp_buffers=n_micro * io * ((not sp.first) + (not sp.last)))
-    alive = {}
+    # The last stage appends each microbatch's output -- the fp32 logits -- to `output_chunks`,
+    # which `step()` merges and returns (the trainer leaves return_outputs True): every
+    # microbatch's logits stay from its forward until the next step clears them.
+    logits = hm["logits"]
 
-    def saved(sid):  # per microbatch in flight: the blocks' saved tensors + the stage output
-        sp = by_id[sid]
-        return sp.layers * lm["saved"] + (hm["saved"] if sp.last else io)
+    def block_saved(sp, j):  # a non-first stage's first block saves its input: the receive buffer
+        return lm["saved"] - (lm["input_saved"] if j == 0 and not sp.first else 0.0)
 
     for a in actions:
         kind, sid, m = a.computation_type.value, a.stage_index, a.microbatch_index
         sp = by_id[sid]
+        head = hm["saved"] if sp.last else io  # the head's saved tensors, or the stage output
         if kind == "F":
             if sid not in gathered:
                 gathered.add(sid)
                 tl.add(fsdp_unsharded_params=sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act)
-            work = hm["loss_fwd_work"] if sp.last else lm["fwd_work"]
-            alive[(sid, m)] = saved(sid)
-            tl.add(activations=alive[(sid, m)])
-            tl.peak(f"F stage {sid} mb {m}", working_set=max(work, lm["fwd_work"]))
+            tl.add(activations=sum(block_saved(sp, j) for j in range(sp.layers)) + head)
+            work = lm["fwd_work"]
+            if sp.last:
+                tl.add(pp_buffers=logits)
+                work = max(work, hm["loss_fwd_work"] - logits)  # the logits are counted just above
+            tl.peak(f"F stage {sid} mb {m}", working_set=work)
         elif kind in ("B", "I"):
-            if sid not in accumulating:
-                accumulating.add(sid)
-                tl.add(grad_buffers=sp.total * red)
-            work = max(lm["bwd_work"] + comp * sp.block, hm["loss_bwd_work"] if sp.last else 0.0)
-            tl.peak(f"B stage {sid} mb {m}", working_set=work)
-            tl.add(activations=-alive.pop((sid, m)))
+            # Backward from the stage output down. The first microbatch's backward allocates the
+            # fp32 accumulation buffers block by block (FSDP's post-backward), as the blocks free
+            # that microbatch's activations.
+            first = sid not in accumulating
+            accumulating.add(sid)
+            if first:
+                tl.add(grad_buffers=sp.root * red)
+            if sp.last:  # the loss's saved tensors go once its backward ran
+                tl.peak(f"B stage {sid} mb {m} loss", working_set=hm["loss_bwd_work"])
+                tl.add(activations=-head)
+            for j in reversed(range(sp.layers)):
+                tl.peak(f"B stage {sid} mb {m} block {j}", working_set=lm["bwd_work"] + comp * sp.block)
+                if first:
+                    tl.add(grad_buffers=sp.block * red)
+                tl.add(activations=-block_saved(sp, j))
+            if not sp.last:  # backward_one_chunk holds the stage output until it returns
+                tl.add(activations=-head)
     # perform_reduce_grad: reduce-scatter the accumulated gradients, reshard.
     for sid, sp in stages:
         tl.peak(f"reduce grads stage {sid}", working_set=sp.block * red)
         tl.add(grad_buffers=-sp.total * red, grads=4 * sp.total / shard,
                fsdp_unsharded_params=-(sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act))
+    if any(sp.last for sp in by_id.values()):
+        tl.peak("merge outputs", working_set=n_micro * logits)  # step()'s torch.cat of output_chunks
     tl.peak("optimizer step", working_set=4 * total / shard)
     return tl
 

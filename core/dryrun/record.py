@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import time
 
+from core.config import validate
 from core.dryrun.fake_step import fake_step
-from core.dryrun.gpuspec import DEFAULT_GPU
-from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB, estimate_memory
+from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
+from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
 from core.dryrun.runtime import predict
+from core.parallel.mesh import ParallelDims
 
 METHOD = ("accounting: per-rank timeline of the step (core.dryrun.memory.estimate_memory) -> peak "
           f"allocated, + {ALLOCATOR_GAP_GIB} GiB caching-allocator gap -> peak reserved; fake step: "
@@ -27,12 +29,11 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
     (eager, no allocator gap) and their difference, so the accounting is checked against
     torch's measurement of the real code on every tracked row.
     """
-    from core.config import validate
-    from core.parallel.mesh import ParallelDims
     t0 = time.perf_counter()
     cfg = validate(cfg, check_files=False)  # ConfigError naming the key for a bad layout
     dims = ParallelDims.from_config(cfg.parallelism)
-    est = estimate_memory(cfg)
+    capacity = load_spec(gpu).hbm_capacity_gib  # an unknown name is refused here, listing the known ones
+    est = estimate_memory(cfg, gpu_gib=capacity)
     record = {
         "recipe": cfg.job.recipe,
         "mode": "dry-run",
@@ -47,8 +48,8 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
         "layer_saved_gib_per_microbatch": round(est["layer_saved_gib"], 4),
         "microbatch_tokens_per_rank": est["microbatch_tokens_per_rank"],
         "fsdp_shard_degree": est["fsdp_shard_degree"],
-        "gpu_capacity_gib": PAPER_GPU_GIB,
-        "fits_gpu": est["allocated_peak_gib"] <= PAPER_GPU_GIB,
+        "gpu_capacity_gib": capacity,
+        "fits_gpu": est["allocated_peak_gib"] <= capacity,
         "method": METHOD,
         "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                     "tp": dims.tp, "pp": dims.pp},

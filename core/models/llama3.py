@@ -241,7 +241,7 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (bs, seqlen) int64 -> logits (bs, seqlen, vocab).
+        """tokens (bs, seqlen) int64 -> fp32 logits (bs, seqlen, vocab).
 
         On a pipeline stage without ``tok_embeddings`` the input is already hidden states
         (bs, seqlen, dim); without ``norm``/``output`` the hidden states are returned.
@@ -254,7 +254,9 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        # fp32 logits, as torchtitan's model returns them (the loss upcasts them anyway): under PP
+        # the schedule keeps each microbatch's output, so the paper's memory includes them.
+        return self.output(h).float() if self.output is not None else h
 
 
 # ----------------------------------------------------------------------------------------------
