@@ -1,22 +1,30 @@
 """The one model builder: model args -> model (meta, or initialised on CPU) -> pipeline split or
 parallelize -> materialise. The trainer, the dry-run's fake step and the reference all call it.
 
-On CPU the whole model is initialised on every rank from the same seed (the caller seeds) and
-then sharded: DTensor's RNG is CUDA-only, and loss parity needs every layout to start from
-identical weights. Elsewhere it is built on the meta device and each rank initialises its own
-shards after parallelize.
+Two ways to initialise (`model.init_device`):
+- whole ("auto" on CPU): the whole model is initialised on every rank from the same seed (the
+  caller seeds) and then sharded, so every layout starts from identical weights (loss parity).
+- meta ("auto" on CUDA; "meta" runs it on CPU): built on the meta device, sharded, and each rank
+  initialises only its own shards. The DTensor RNG tracker is created here, without state sync,
+  over the non-PP sub-mesh, with the seed `job.seed + pp rank` (`seed_init_rng`): otherwise torch
+  creates it lazily and broadcasts rank 0's state to the whole world, and pipeline stages, which
+  draw the same sequence of shapes, start with identical blocks. Weights then differ from the
+  whole-model init; runs whose loss must match another layout start from a seed checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
+from torch.distributed.tensor import _random as dtensor_random
 
 from core.config import JobConfig
 from core.models.args import ModelArgs
 from core.models.llama3 import Transformer
-from core.parallel.mesh import ParallelDims, WorldMesh
+from core.parallel.mesh import ParallelDims, WorldMesh, spmd_mesh
 from core.parallel.parallelize import Toggles, parallelize
 from core.parallel.pipeline import build_pipeline
 
@@ -32,17 +40,61 @@ def init_model(args: ModelArgs, meta: bool = False) -> Transformer:
     return model
 
 
+def meta_init(cfg: JobConfig, device: torch.device) -> bool:
+    """Whether this run takes the meta-device path (always on CUDA; on CPU by config)."""
+    return device.type != "cpu" or cfg.model.init_device == "meta"
+
+
+class CPUOffsetRNGTracker(dtensor_random.OffsetBasedRNGTracker):
+    """DTensor's offset-based RNG semantics on CPU, where torch has none (its tracker is
+    CUDA-only and CPU's generator has no offset): each random op on a DTensor draws its local
+    shard from a generator seeded by (seed, offset of that shard in the whole tensor), and every
+    rank then advances the offset by the whole tensor's size, as the CUDA tracker does. So
+    replicas draw the same values, shards of one tensor different ones, and the result does not
+    depend on which rank runs it."""
+
+    def __init__(self, seed: int):
+        dtensor_random._RNGStateTracker.__init__(self, torch.device("cpu"))  # skip the CUDA-only checks
+        self.seed, self.offset = seed, 0
+
+    def _generator_seed(self, offset: int) -> int:
+        digest = hashlib.sha256(f"{self.seed}:{offset}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    @contextlib.contextmanager
+    def _distribute_region(self, spec, generator: torch.Generator | None = None):
+        start, end = self._compute_rng_offsets(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._generator_seed(self.offset + start))
+            yield
+        self.offset += end
+
+
+def seed_init_rng(mesh: WorldMesh, dims: ParallelDims, seed: int, device: torch.device,
+                  per_stage: bool = True) -> int:
+    """Seed this rank for the meta path's init: `seed + pp rank` for torch's generator and a
+    DTensor RNG tracker over the non-PP sub-mesh, created without state sync. Returns the seed.
+    `per_stage=False` gives every stage the same seed (torch's lazy default; tests show the defect)."""
+    stage_seed = seed + (mesh["pp"].get_local_rank() if per_stage and dims.pp > 1 else 0)
+    torch.manual_seed(stage_seed)
+    if device.type == "cpu":
+        dtensor_random._rng_tracker = CPUOffsetRNGTracker(stage_seed)
+    else:
+        dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(spmd_mesh(mesh), run_state_sync=False)
+    return stage_seed
+
+
 def build_model(args: ModelArgs, cfg: JobConfig, mesh: WorldMesh, dims: ParallelDims,
                 device: torch.device, toggles: Toggles, loss_fn: Callable | None = None,
-                materialize: bool = True) -> tuple[list[nn.Module], object | None]:
+                materialize: bool = True, per_stage_seed: bool = True) -> tuple[list[nn.Module], object | None]:
     """This rank's model parts (one, or its pipeline stages in stage order) and the pipeline
     schedule (None without PP; `loss_fn(logits, labels)` is the schedule's loss).
 
     materialize False: the parts stay on the meta device, sharded (the fake step gives them
     fake storage itself). What was applied or skipped is recorded in `toggles`.
     """
-    on_cpu = device.type == "cpu" and materialize
-    model = init_model(args, meta=not on_cpu)
+    meta = meta_init(cfg, device) or not materialize
+    model = init_model(args, meta=meta)
     schedule = None
     if dims.pp > 1:
         schedule, parts = build_pipeline(model, mesh, dims, cfg, device, loss_fn, toggles, parallelize)
@@ -50,13 +102,21 @@ def build_model(args: ModelArgs, cfg: JobConfig, mesh: WorldMesh, dims: Parallel
         parts = [parallelize(model, mesh, dims, cfg, toggles)]
     if not materialize:
         return parts, schedule
+    if meta:
+        # the trainer's generators stay as the caller seeded them; only the init draws per stage
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            seed_init_rng(mesh, dims, cfg.job.seed, device, per_stage=per_stage_seed)
+            for part in parts:
+                part.to_empty(device=device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=device)
+        if device.type == "cpu":  # our CPU tracker served the init only
+            dtensor_random._rng_tracker = None
+        toggles.apply("meta_init")
     for part in parts:
-        if on_cpu:
+        if not meta:
             part.to(device)
-        else:
-            part.to_empty(device=device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=device)
         part.train()
     return parts, schedule
 

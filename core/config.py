@@ -68,6 +68,7 @@ class Model:
     multiple_of: int = field(default=0, metadata={"doc": "0: the flavor's; the FFN hidden size rounds up to it"})
     rope_scaling: RopeScaling = field(default="default",
                                       metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"})
+    init_device: Literal["auto", "meta"] = field(default="auto", metadata={"doc": "meta: CUDA's meta init on CPU too"})
 
 
 @dataclass
@@ -80,7 +81,8 @@ class Tokenizer:
 class Data:
     dataset: DatasetKind = field(default="c4_offline",
                                  metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"})
-    path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline)"})
+    path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline), e.g. a C4 copy"})
+    sharding: Literal["auto", "global", "per_rank"] = field(default="auto", metadata={"doc": "auto: per_rank if real"})
     skip_bad_documents: bool = field(default=False, metadata={
         "doc": "skip (and count in the record) malformed corpus lines instead of stopping at the first"})
 

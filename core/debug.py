@@ -3,7 +3,8 @@
 Flight Recorder (`comm.trace_buf_size` > 0): torch keeps the last N collectives of every
 process group per rank. `setup_flight_recorder` sets the environment before the process group
 exists; NCCL's watchdog then dumps on a timeout to `<output_dir>/<comm.fr_dump_folder>/rank_N`
-by itself (TORCH_NCCL_DUMP_ON_TIMEOUT + TORCH_FR_DUMP_TEMP_FILE). Gloo records collectives too
+by itself (TORCH_NCCL_DUMP_ON_TIMEOUT + TORCH_FR_DUMP_TEMP_FILE). Our own dumps on CUDA (a failed
+step, SIGTERM) read NCCL's recorder and go to `titan_rank_N`, never the watchdog's file. Gloo records collectives too
 but has no watchdog: the trainer calls `dump_flight_recorder` when a step fails (a gloo timeout
 is a RuntimeError) and on SIGTERM (torchrun stopping the surviving ranks), to the same files.
 Gloo entries stay "scheduled" (no completion times) and their dumps carry no process-group
@@ -36,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
-FR_PREFIX = "rank_"
+FR_PREFIX = "rank_"  # NCCL's watchdog dump (TORCH_FR_DUMP_TEMP_FILE + rank), and ours on gloo
+OWN_PREFIX = "titan_rank_"  # our own dumps on CUDA (failure, SIGTERM): never the watchdog's file
 PAUSE_ENV = "TITAN_DEBUG_PAUSE"
 
 
@@ -109,7 +111,11 @@ def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
 
 def _dump(cfg, reason: str) -> Path:
     rank = dist.get_rank()
-    raw = torch._C._distributed_c10d._dump_fr_trace()
+    cuda = torch.cuda.is_available()
+    # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
+    raw = (dump or c10d._dump_fr_trace)()
     data = pickle.loads(raw)
     config = data.get("pg_config") or {}
     if not any(v.get("ranks", "[]") != "[]" for v in config.values()):
@@ -117,7 +123,8 @@ def _dump(cfg, reason: str) -> Path:
     data["titan_reason"] = reason
     folder = fr_folder(cfg)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{FR_PREFIX}{rank}"
+    # NCCL's watchdog may write rank_<R> at the same moment (a timeout then SIGTERM): our own name
+    path = folder / f"{OWN_PREFIX if cuda else FR_PREFIX}{rank}"
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(data))
     os.replace(tmp, path)
@@ -140,13 +147,15 @@ def dump_on_sigterm(cfg) -> None:
 
 
 def read_traces(folder: str | os.PathLike) -> dict[int, dict]:
-    """{rank: dump} of the `rank_N` files of a folder."""
+    """{rank: dump} of the `rank_N` files of a folder (NCCL's watchdog, or ours on gloo), and of
+    our own `titan_rank_N` (CUDA) for ranks the watchdog did not dump."""
     out = {}
-    for f in sorted(Path(folder).glob(f"{FR_PREFIX}*")):
-        suffix = f.name[len(FR_PREFIX):]
-        if suffix.isdigit():
-            with open(f, "rb") as fh:
-                out[int(suffix)] = pickle.load(fh)
+    for prefix in (OWN_PREFIX, FR_PREFIX):  # the watchdog's dump wins where both exist
+        for f in sorted(Path(folder).glob(f"{prefix}*")):
+            suffix = f.name[len(prefix):]
+            if suffix.isdigit():
+                with open(f, "rb") as fh:
+                    out[int(suffix)] = pickle.load(fh)
     if not out:
         raise FileNotFoundError(f"{folder}: no Flight Recorder dumps ({FR_PREFIX}N files)")
     return out

@@ -84,6 +84,29 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30
 
 
+def reset_peak_memory() -> None:
+    """CUDA: start a new peak. CPU: nothing (peak RSS is the process's, it cannot be reset)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class PeakMemory:
+    """The first step's peak (lazy init, compilation, the pipeline's shape inference on empty
+    inputs) apart from the steady peak: `first_step_done()` after step 1 records it and resets."""
+
+    def __init__(self):
+        self.first_step: float | None = None
+
+    def first_step_done(self) -> float:
+        self.first_step = peak_memory_gib()
+        reset_peak_memory()
+        return self.first_step
+
+    @staticmethod
+    def steady() -> float:
+        return peak_memory_gib()
+
+
 class MetricsLogger:
     """Per-step records to stdout (rank 0), a JSONL file and TensorBoard when installed."""
 

@@ -34,7 +34,7 @@ from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
-from core.metrics import MetricsLogger, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
+from core.metrics import MetricsLogger, PeakMemory, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
 from core.models.args import model_args, shape_record
 from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -147,7 +147,7 @@ class Trainer:
             else torch.device("cpu")
         self.out_dir = Path(cfg.job.output_dir)
         self.dims = ParallelDims.from_config(cfg.parallelism)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        self.mesh = self.dims.build_mesh(self.device.type, cfg.comm.init_timeout_seconds)
         self.toggles = Toggles()
         torch.manual_seed(cfg.job.seed)
         if cfg.job.deterministic:
@@ -269,7 +269,8 @@ class Trainer:
         fpt = flops_per_token(self.model_args, t.seq_len)
         peak = cfg.metrics.peak_flops or device_info()["peak_flops"] or \
             cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
-        losses, grad_norms, step_times = [], [], []
+        losses, grad_norms, step_times, self.data_times = [], [], [], []
+        self.memory = PeakMemory()
         progress = None
         if self.rank == 0 and cfg.metrics.progress:
             progress = tqdm(total=t.steps, initial=self.step, desc=cfg.job.name, unit="step",
@@ -277,10 +278,11 @@ class Trainer:
         wall0 = time.perf_counter()
         while self.step < t.steps:
             self.train_state.step += 1
-            batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            # the step time is the whole iteration, data included (throughput counts it); the
+            # data part is also recorded on its own
             t0 = time.perf_counter()
+            batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
+            data_dt = time.perf_counter() - t0
             loss, gnorm = self.train_step(batches)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -290,10 +292,12 @@ class Trainer:
             losses.append(loss)
             grad_norms.append(gnorm)
             step_times.append(dt)
+            self.data_times.append(data_dt)
             tps = tokens_per_step / self.world_size / dt
             if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
                 logger.log(self.step, {"loss": loss, "grad_norm": gnorm, "lr": self.lr_scheduler.get_last_lr()[0],
-                                       "step_time_s": dt, "tokens_per_sec_per_device": tps,
+                                       "step_time_s": dt, "data_time_s": data_dt,
+                                       "tokens_per_sec_per_device": tps,
                                        "mfu": fpt * tps / peak, "memory_gib": peak_memory_gib()})
             if progress:
                 progress.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
@@ -301,7 +305,9 @@ class Trainer:
             if self.checkpointer:
                 self.checkpointer.maybe_save(self.step)
             if self.step == self.start_step + 1:
-                # first step done (lazy init, compilation): the shorter timeout from now on
+                # first step done (lazy init, compilation, PP shape inference): its memory peak is
+                # kept apart from the steady one, and the shorter timeout applies from now on
+                self.memory.first_step_done()
                 dist.barrier()
                 set_pg_timeouts(cfg.comm.train_timeout_seconds,
                                 exclude=[self.checkpointer.pg] if self.checkpointer else [])
@@ -321,6 +327,11 @@ class Trainer:
         tps = tokens_per_step / self.world_size / mean_step
         mem = [None] * self.world_size
         dist.all_gather_object(mem, peak_memory_gib())
+        first_mem = [None] * self.world_size
+        memory = getattr(self, "memory", None)
+        dist.all_gather_object(first_mem, memory.first_step if memory else None)
+        data_times = getattr(self, "data_times", [])
+        steady_data = data_times[1:] or data_times
         state_bytes = [None] * self.world_size
         dist.all_gather_object(state_bytes, self._local_state_bytes())
         info = device_info()
@@ -344,15 +355,20 @@ class Trainer:
             "start_step": getattr(self, "start_step", 0),  # losses are of steps start_step+1..
             "losses": losses,
             "grad_norms": grad_norms,
-            "step_times_s": step_times,
+            "step_times_s": step_times,  # whole iterations: data + forward/backward + optimizer
+            "data_times_s": data_times,
+            "data_time_s": sum(steady_data) / len(steady_data) if steady_data else None,
             "tokens_per_sec_per_device": tps,
             "flops_per_token": fpt,
             "tflops_per_device": fpt * tps / 1e12,
             "mfu": fpt * tps / peak,
             "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
-            "peak_memory_gib": max(mem),
+            "peak_memory_gib": max(mem),  # steady state: the peak is reset after the first step
             "peak_memory_gib_per_rank": mem,
-            "memory_kind": "cuda max reserved" if self.device.type == "cuda" else "cpu peak RSS",
+            "first_step_peak_memory_gib": max((m for m in first_mem if m is not None), default=None),
+            "first_step_peak_memory_gib_per_rank": first_mem,
+            "memory_kind": "cuda max reserved, reset after step 1" if self.device.type == "cuda"
+            else "cpu peak RSS (cannot be reset: includes step 1)",
             "param_bytes_per_rank": [b["params"] for b in state_bytes],
             "optimizer_bytes_per_rank": [b["optimizer"] for b in state_bytes],
             "wall_s": wall,

@@ -37,6 +37,8 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     "dry-run-table": ("recipes.dryrun_table:main",
                       "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate)."),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
+    "preflight": ("recipes.studies.preflight:preflight",
+                  "First command on a new node: every feature the rows need, a verdict each, 1D parity."),
     "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
     "toggles-bench": ("recipes.studies.toggles_bench:toggles_bench",
                       "AC, regional compile and Float8 on the CPU proxy."),

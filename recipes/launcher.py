@@ -24,6 +24,7 @@ from pathlib import Path
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
 from core.hardware import check_hardware as check_toggles
 from core.validate import validate
+from recipes.cluster_env import CUDA_ALLOC_CONF, sbatch_env_lines
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -168,17 +169,20 @@ def torchrun_exe() -> str:
 
 def torchrun_command(nproc: int, target: list[str] | tuple[str, ...], nnodes: int = 1,
                      rdzv_id: str | None = None, rdzv_endpoint: str | None = None,
-                     max_restarts: int = 0, exe: str | None = None) -> list[str]:
+                     max_restarts: int = 0, exe: str | None = None,
+                     launcher_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The one place a torchrun command is built. `target`: what each rank runs, e.g.
     `["-m", "core.train", "--config", path]` or a script and its arguments. One node without a
     rendezvous endpoint: `--standalone`; else a c10d rendezvous at `rdzv_endpoint`. `exe`: a
     torchrun executable (multi-node, sbatch); default `python -m torch.distributed.run` of
     this interpreter. `max_restarts`: torchrun's agent restarts the whole group when a rank
-    dies; the trainer resumes from its latest complete checkpoint (checkpoint.enabled)."""
+    dies; the trainer resumes from its latest complete checkpoint (checkpoint.enabled).
+    `launcher_args`: more torchrun options, after the rank counts (e.g. `--numa-binding=node`)."""
     cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
     if rdzv_endpoint is None:
         cmd.append("--standalone")
     cmd += [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}"]
+    cmd += list(launcher_args)
     if rdzv_endpoint is not None:
         cmd += [f"--rdzv_id={rdzv_id}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}"]
     if max_restarts:
@@ -208,9 +212,9 @@ def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, np
     q = shlex.quote
     cmd = torchrun_command(nproc, trainer_target(q(str(run_dir / "job.json"))), nnodes=nnodes,
                            rdzv_id='"$SLURM_JOB_ID"', rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
-                           exe=q(torchrun_exe()))
-    # one shell line per group: executable | nodes, ranks | rendezvous | what each rank runs
-    exe, dims, rdzv, target = cmd[:1], cmd[1:3], cmd[3:6], cmd[6:]
+                           exe=q(torchrun_exe()), launcher_args=["$numa_flag"])
+    # one shell line per group: executable | nodes, ranks, CPU binding | rendezvous | what each rank runs
+    exe, dims, rdzv, target = cmd[:1], cmd[1:4], cmd[4:7], cmd[7:]
     lines = [
         "#!/bin/bash",
         (f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
@@ -227,7 +231,11 @@ def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, np
         f"cd {q(str(project_root()))}",
         f"export PYTHONPATH={q(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --nodes={nnodes} --ntasks-per-node=1 {' '.join(exe)} \\",
+        *sbatch_env_lines(nproc),
+        # one task per node runs torchrun and its ranks: give it every core of the node (srun does
+        # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument
+        (f"srun --nodes={nnodes} --ntasks-per-node=1 --cpus-per-task=\"$cpus_per_node\" --cpu-bind=none "
+         f"{' '.join(exe)} \\"),
         f"    {' '.join(dims)} \\",
         f"    {' '.join(rdzv)} \\",
         f"    {' '.join(target)}",
@@ -393,6 +401,8 @@ def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if mode == "real":
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # the caller's own setting wins
     env.update(set_vars)
     return env
 

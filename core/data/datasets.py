@@ -19,7 +19,6 @@ import gzip
 import json
 import logging
 import os
-import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +29,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from core.data.sharding import SHARDINGS, check_resume_state, data_sharding, sharding_state, split_by_rank
 from core.data.store import c4_offline_path
+from core.data.synthetic import SyntheticDocuments, synthetic_document
 from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "build_dataloader",
     "build_tokenizer",
     "check_hub_reachable",
+    "data_sharding",
     "find_bad_line",
     "open_documents",
     "synthetic_document",
@@ -189,39 +191,6 @@ class HFDocuments:
         return copy.deepcopy(self.dataset.state_dict() if self._it is not None else self._start)
 
 
-def synthetic_document(index: int, split: str = "train") -> str:
-    """Document `index` of the synthetic corpus: an arithmetic sequence in words and digits.
-
-    Learnable (after two numbers the rest follows) and fully determined by (split, index).
-    """
-    rng = random.Random((0 if split == "train" else 7_919) * 1_000_003 + index)
-    start, step, count = rng.randrange(0, 1000), rng.randrange(1, 13), rng.randrange(16, 96)
-    numbers = " ".join(str(start + k * step) for k in range(count))
-    return f"Count from {start} in steps of {step}: {numbers}."
-
-
-class SyntheticDocuments:
-    """`num_docs` synthetic documents per pass; position is just the next index."""
-
-    def __init__(self, split: str = "train", num_docs: int | None = None):
-        self.split = split
-        self.num_docs = num_docs if num_docs is not None else (100_000 if split == "train" else 1_000)
-        self._next = 0
-
-    def open(self, position: dict | None) -> None:
-        self._next = int(position["index"]) if position else 0
-
-    def next_text(self) -> str:
-        if self._next >= self.num_docs:
-            raise StopIteration
-        text = synthetic_document(self._next, self.split)
-        self._next += 1
-        return text
-
-    def position(self) -> dict:
-        return {"index": self._next}
-
-
 # --------------------------------------------------------------------------------------------
 # the registry
 # --------------------------------------------------------------------------------------------
@@ -265,11 +234,12 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
         )
 
 
-def _open_c4(path: str | None, split: str) -> DocumentSource:
+def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     check_hub_reachable()
     from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
-    return HFDocuments(load_dataset(path or C4_REPO, name="en", split=split, streaming=True))
+    ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True)
+    return HFDocuments(split_by_rank(ds, rank, world))
 
 
 def _c4_offline_files(path: str | None, split: str) -> list[str]:
@@ -286,22 +256,24 @@ def _c4_offline_files(path: str | None, split: str) -> list[str]:
     return [str(f) for f in files]
 
 
-def _open_c4_offline(path: str | None, split: str) -> DocumentSource:
+def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     files = _c4_offline_files(path, split)
     from datasets import load_dataset  # local: import cost, as above
 
-    return HFDocuments(load_dataset("json", data_files=files, split="train", streaming=True), files=files)
+    ds = load_dataset("json", data_files=files, split="train", streaming=True)
+    return HFDocuments(split_by_rank(ds, rank, world), files=files)
 
 
-def _open_synthetic(path: str | None, split: str) -> DocumentSource:
-    return SyntheticDocuments(split)
+def _open_synthetic(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
+    return SyntheticDocuments(split, rank=rank, world=world)
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str
     description: str
-    open: Callable[[str | None, str], DocumentSource]  # (path or None, split) -> source
+    # (path or None, split, rank, world) -> source; rank/world: this DP rank's documents only
+    open: Callable[..., DocumentSource]
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -313,10 +285,14 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-def open_documents(dataset: str, path: str | None = None, split: str = "train") -> DocumentSource:
+def open_documents(dataset: str, path: str | None = None, split: str = "train", rank: int = 0,
+                   world: int = 1) -> DocumentSource:
+    """The documents of a dataset; with world > 1 only rank's part of them (per-rank sharding)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; known: {sorted(DATASETS)}")
-    return DATASETS[dataset].open(path, split)
+    if world == 1:
+        return DATASETS[dataset].open(path, split)
+    return DATASETS[dataset].open(path, split, rank, world)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +311,8 @@ class TokenWindowLoader:
         dp_rank, dp_degree: this rank's place in the data-parallel dimension.
         split: "train" or "validation".
         infinite: start the corpus again when it ends (else stop, dropping a partial batch).
+        sharding: "global" (every rank reads the whole stream, keeps its slice) or "per_rank"
+            (each DP rank reads only its own documents): see core.data.sharding.
 
     Yields `(inputs, labels)`, both int64 `[B, S]`.
     """
@@ -350,7 +328,10 @@ class TokenWindowLoader:
         dp_degree: int = 1,
         split: str = "train",
         infinite: bool = True,
+        sharding: str = "global",
     ):
+        if sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
         if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
@@ -370,7 +351,10 @@ class TokenWindowLoader:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.infinite = infinite
-        self._source = open_documents(dataset, path, split)  # errors surface here, at once
+        self.sharding = sharding
+        per_rank = sharding == "per_rank"
+        # errors surface here, at once
+        self._source = open_documents(dataset, path, split, dp_rank if per_rank else 0, dp_degree if per_rank else 1)
         self._opened = False
         self._resume: dict | None = None
         self._epoch = 0
@@ -387,10 +371,11 @@ class TokenWindowLoader:
         # batch of dp_degree * B consecutive windows, so the global batch (and its token order)
         # is the same for any DP degree: exact loss parity across layouts.
         window = self.seq_len + 1
-        global_tokens = self.dp_degree * self.local_batch_size * window
+        per_rank = self.sharding == "per_rank"  # the buffer holds this rank's own stream only
+        global_tokens = (1 if per_rank else self.dp_degree) * self.local_batch_size * window
         while len(self._buffer) < global_tokens:
             self._buffer.extend(self.tokenizer.encode(self._next_document(), bos=True, eos=True))
-        lo = self.dp_rank * self.local_batch_size * window
+        lo = 0 if per_rank else self.dp_rank * self.local_batch_size * window
         mine = torch.tensor(self._buffer[lo : lo + self.local_batch_size * window], dtype=torch.int64)
         del self._buffer[:global_tokens]
         self._batches += 1
@@ -431,9 +416,11 @@ class TokenWindowLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the global token stream. It is the same on every rank (each reads
-        the whole stream), so one copy serves any rank and any DP degree on resume."""
+        the whole stream), so one copy serves any rank and any DP degree on resume. Per-rank
+        sharding: this rank's own position, for the same rank of the same DP degree."""
         position = self._source.position() if self._opened else self._resume
         return {
+            **sharding_state(self.sharding, self.dp_rank, self.dp_degree),
             "dataset": self.dataset,
             "split": self.split,
             "epoch": self._epoch,
@@ -449,6 +436,7 @@ class TokenWindowLoader:
                 f"loader state is for dataset {state.get('dataset')!r} split {state.get('split')!r}, "
                 f"not {self.dataset!r} split {self.split!r}"
             )
+        check_resume_state(state, self.sharding, self.dp_rank, self.dp_degree)
         self._epoch = int(state["epoch"])
         self._docs_in_epoch = int(state["docs_in_epoch"])
         self._resume = state["source_position"]
@@ -466,8 +454,9 @@ def build_dataloader(
     split: str = "train",
     local_batch_size: int | None = None,
 ) -> TokenWindowLoader:
-    """The loader a job config asks for (`data.dataset`, `data.path` (c4_offline), `training.seq_len`,
-    `training.local_batch_size`, `training.dataset_infinite`); checks the ids fit the model."""
+    """The loader a job config asks for (`data.dataset`, `data.path` (c4_offline), `data.sharding`,
+    `training.seq_len`, `training.local_batch_size`, `training.dataset_infinite`); checks the ids
+    fit the model."""
     data, training = cfg.data, cfg.training
     dataset = data.dataset
     # data.path is the local corpus of "c4_offline"; "c4" always streams allenai/c4 from the hub
@@ -482,9 +471,16 @@ def build_dataloader(
         dp_degree=dp_degree,
         split=split,
         infinite=getattr(training, "dataset_infinite", True),
+        sharding=data_sharding(cfg),
     )
     if dataset == "c4_offline" and getattr(data, "skip_bad_documents", False):
-        loader._source = JsonLinesDocuments(_c4_offline_files(path, split))  # same order, skips bad lines
+        files = _c4_offline_files(path, split)
+        if loader.sharding == "per_rank" and dp_degree > 1:  # this rank's shards only
+            if len(files) % dp_degree:
+                raise ValueError(f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
+                                 f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')")
+            files = files[dp_rank::dp_degree]
+        loader._source = JsonLinesDocuments(files)  # same order, skips bad lines
     if vocab_size is not None and loader.tokenizer.n_words > vocab_size:
         raise ValueError(
             f"the tokenizer has {loader.tokenizer.n_words} ids but the model's vocabulary is {vocab_size}"

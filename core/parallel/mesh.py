@@ -7,10 +7,12 @@ by name. Flattened views: `dp` (data loading: ranks that see different batches),
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from core.config import Parallelism
 
@@ -43,11 +45,16 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
-    def build_mesh(self, device_type: str) -> WorldMesh:
+    def build_mesh(self, device_type: str, timeout_seconds: float | None = None) -> WorldMesh:
+        """`timeout_seconds` (comm.init_timeout_seconds): given to every sub-group the mesh creates,
+        which would otherwise keep the backend's default whatever the default group has."""
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED.items()}
-        return WorldMesh(root, flat)
+        mesh = WorldMesh(root, flat)
+        if timeout_seconds is not None:
+            mesh_group_timeouts(mesh, timeout_seconds)
+        return mesh
 
 
 # Flattened views and the mesh dims each spans.
@@ -80,6 +87,24 @@ class WorldMesh:
 
     def __repr__(self) -> str:
         return f"WorldMesh({self.root}, flattened={sorted(self.flat)})"
+
+
+def mesh_groups(mesh: WorldMesh) -> list:
+    """Every process group of the mesh this rank belongs to (each dim, each flattened view)."""
+    groups = [mesh.root.get_group(name) for name in MESH_DIMS]
+    groups += [view.get_group() for view in mesh.flat.values()]
+    return list({id(g): g for g in groups}.values())
+
+
+def mesh_group_timeouts(mesh: WorldMesh, seconds: float) -> None:
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in mesh_groups(mesh):
+        _set_pg_timeout(timeout, group)
+
+
+def spmd_mesh(mesh: WorldMesh) -> DeviceMesh:
+    """The non-PP sub-mesh of this rank: the ranks of its pipeline stage (the DTensor RNG's domain)."""
+    return mesh.root[tuple(d for d in MESH_DIMS if d != "pp")]
 
 
 def device_type() -> str:
