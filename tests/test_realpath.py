@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from core import debug, metrics
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
 from core.data.datasets import TokenWindowLoader, data_sharding, synthetic_document
 from core.parallel.mesh import ParallelDims, mesh_groups
 from core.train import Trainer
+from core.validate import validate
 from recipes import launcher, registry
 from recipes.studies import preflight as P
 from tests.dist_utils import TINY_JOB

@@ -54,7 +54,8 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     from torch.distributed.tensor import DTensor
 
     from core.build import build_model, schedule_stages
-    from core.config import load_config, validate
+    from core.config import load_config
+    from core.validate import validate
     from core.models.args import model_args
     from core.parallel.mesh import ParallelDims
     from core.parallel.parallelize import Toggles
