@@ -11,6 +11,7 @@ Two ways to initialise (`model.init_device`):
   draw the same sequence of shapes, start with identical blocks. Weights then differ from the
   whole-model init; runs whose loss must match another layout start from a seed checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,7 @@ class CPUOffsetRNGTracker(dtensor_random.OffsetBasedRNGTracker):
         self.offset += end
 
 
-def seed_init_rng(mesh: WorldMesh, dims: ParallelDims, seed: int, device: torch.device,
-                  per_stage: bool = True) -> int:
+def seed_init_rng(mesh: WorldMesh, dims: ParallelDims, seed: int, device: torch.device, per_stage: bool = True) -> int:
     """Seed this rank for the meta path's init: `seed + pp rank` for torch's generator and a
     DTensor RNG tracker over the non-PP sub-mesh, created without state sync. Returns the seed.
     `per_stage=False` gives every stage the same seed (torch's lazy default; tests show the defect)."""
@@ -84,9 +84,17 @@ def seed_init_rng(mesh: WorldMesh, dims: ParallelDims, seed: int, device: torch.
     return stage_seed
 
 
-def build_model(args: ModelArgs, cfg: JobConfig, mesh: WorldMesh, dims: ParallelDims,
-                device: torch.device, toggles: Toggles, loss_fn: Callable | None = None,
-                materialize: bool = True, per_stage_seed: bool = True) -> tuple[list[nn.Module], object | None]:
+def build_model(
+    args: ModelArgs,
+    cfg: JobConfig,
+    mesh: WorldMesh,
+    dims: ParallelDims,
+    device: torch.device,
+    toggles: Toggles,
+    loss_fn: Callable | None = None,
+    materialize: bool = True,
+    per_stage_seed: bool = True,
+) -> tuple[list[nn.Module], object | None]:
     """This rank's model parts (one, or its pipeline stages in stage order) and the pipeline
     schedule (None without PP; `loss_fn(logits, labels)` is the schedule's loss).
 

@@ -29,6 +29,7 @@ live in core/checkpoint_files.py.
 CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
 `ls FOLDER`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,16 +121,19 @@ class _Parts:
         onames = {_strip_optim(k): k for k in osd}
         if len(mnames) != len(msd) or len(onames) != len(osd):
             raise RuntimeError("two model parts share a parameter name")
-        return ({n: msd[k] for n, k in mnames.items()}, mnames,
-                {n: osd[k] for n, k in onames.items()}, onames)
+        return ({n: msd[k] for n, k in mnames.items()}, mnames, {n: osd[k] for n, k in onames.items()}, onames)
 
     def set_model(self, model: dict, names: dict) -> None:
         set_model_state_dict(self.wrap, {names[n]: v for n, v in model.items()})
 
     def set_full(self, model: dict, mnames: dict, optim: dict, onames: dict) -> None:
-        set_state_dict(self.wrap, self.optimizer,
-                       model_state_dict={mnames[n]: v for n, v in model.items()},
-                       optim_state_dict={onames[n]: v for n, v in optim.items()}, options=self.OPTS)
+        set_state_dict(
+            self.wrap,
+            self.optimizer,
+            model_state_dict={mnames[n]: v for n, v in model.items()},
+            optim_state_dict={onames[n]: v for n, v in optim.items()},
+            options=self.OPTS,
+        )
 
 
 # ------------------------------------------------------------------------------- checkpointer
@@ -163,9 +167,19 @@ class Checkpointer:
                              reused buffers, which still takes it off the training thread.
     """
 
-    def __init__(self, cfg: JobConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                 lr_scheduler, dataloader: Stateful, train_state: Stateful, *, dp_rank: int = 0,
-                 dp_degree: int = 1, model_args: ModelArgs | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        dataloader: Stateful,
+        train_state: Stateful,
+        *,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        model_args: ModelArgs | None = None,
+    ):
         """dp_rank / dp_degree: this rank's place in data parallelism (whose loader state it saves);
         model_args: checked against a checkpoint's shapes and written into its titan.json."""
         self.cfg = cfg
@@ -187,12 +201,16 @@ class Checkpointer:
         if self.async_mode != "disabled":
             # Its own gloo group: the background save's collectives never queue behind (or
             # interleave with) the training collectives, and it works beside NCCL.
-            self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(
-                seconds=self.cfg.comm.init_timeout_seconds))
+            self.pg = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
+            )
         if self.async_mode == "async_with_pinned_mem":
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
-                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
+                )
+            )
             # The background copy must finish before parameters change.
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.maybe_wait_for_staging())
 
@@ -247,20 +265,25 @@ class Checkpointer:
         # a pipeline stage loads a subset, so compare with the union over all ranks.
         names = [None] * dist.get_world_size()
         dist.all_gather_object(names, sorted(model))
-        extra = sorted({k.removeprefix("model.") for k in stored if k.startswith("model.")}
-                       - set().union(*map(set, names)))
+        extra = sorted(
+            {k.removeprefix("model.") for k in stored if k.startswith("model.")} - set().union(*map(set, names))
+        )
         if extra:
-            raise CheckpointError(f"{path / METADATA}: holds {len(extra)} model entries this model lacks "
-                                  f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): "
-                                  "a checkpoint of another model shape")
+            raise CheckpointError(
+                f"{path / METADATA}: holds {len(extra)} model entries this model lacks "
+                f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): "
+                "a checkpoint of another model shape"
+            )
         if "train_state" in stored:
             state["train_state"] = ""
         dp_key = self._dataloader_key(stored, info)
         if full and dp_key:
             state["dataloader"] = {dp_key: ""}
         elif full and self.rank == 0:
-            print(f"[checkpoint] warning: {path} has no data-loader state; the data restarts from "
-                  "the beginning", flush=True)
+            print(
+                f"[checkpoint] warning: {path} has no data-loader state; the data restarts from the beginning",
+                flush=True,
+            )
         rng_key = f"rng.rank_{self.rank}"
         same_layout = info.get("layout") == self._layout()
         if full and same_layout and rng_key in stored:
@@ -298,8 +321,14 @@ class Checkpointer:
 
     def _layout(self) -> dict:
         p = self.cfg.parallelism
-        return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp,
-                "tp": p.tp, "world_size": dist.get_world_size()}
+        return {
+            "pp": p.pp,
+            "dp_replicate": p.dp_replicate,
+            "dp_shard": p.dp_shard,
+            "cp": p.cp,
+            "tp": p.tp,
+            "world_size": dist.get_world_size(),
+        }
 
     # ---------------------------------------------------------------------------------- save
     def maybe_save(self, step: int) -> None:
@@ -337,7 +366,8 @@ class Checkpointer:
             "flavor": self.cfg.model.flavor,
             "layout": self._layout(),
             "dp_degree": self.dp_degree,
-            "torch": torch.__version__, "manifest": MANIFEST,  # written with one: a missing one is damage
+            "torch": torch.__version__,
+            "manifest": MANIFEST,  # written with one: a missing one is damage
         }
 
     @torch.no_grad()
@@ -369,14 +399,25 @@ class Checkpointer:
                 upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
                 staging = None
             else:
-                resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                      async_stager=self.stager)
+                resp = dcp.async_save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self.pg,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    async_stager=self.stager,
+                )
                 upload, staging = resp.upload_completion, resp.staging_completion
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
             self._failed(step, tmp, "async save", e)
-        p = self.pending = {"step": step, "tmp": tmp, "info": info, "upload": upload, "staging": staging,
-                            "t0": t0, "blocking_s": time.perf_counter() - t0}
+        p = self.pending = {
+            "step": step,
+            "tmp": tmp,
+            "info": info,
+            "upload": upload,
+            "staging": staging,
+            "t0": t0,
+            "blocking_s": time.perf_counter() - t0,
+        }
         upload.add_done_callback(lambda _: p.setdefault("done_at", time.perf_counter()))
 
     def maybe_wait_for_staging(self) -> None:
@@ -406,9 +447,15 @@ class Checkpointer:
             p["wait_s"] = time.perf_counter() - t0  # the next save waited for this upload
             p["blocking_s"] += p["wait_s"]
         self._finalize(p["step"], p["tmp"], p["info"])
-        self.stats.append({"step": p["step"], "mode": self.async_mode, "blocking_s": p["blocking_s"],
-                           "wait_s": p.get("wait_s", 0.0),
-                           "total_s": p.get("done_at", time.perf_counter()) - p["t0"]})
+        self.stats.append(
+            {
+                "step": p["step"],
+                "mode": self.async_mode,
+                "blocking_s": p["blocking_s"],
+                "wait_s": p.get("wait_s", 0.0),
+                "total_s": p.get("done_at", time.perf_counter()) - p["t0"],
+            }
+        )
 
     def _finalize(self, step: int, tmp: Path, info: dict) -> None:
         """Rank 0, after DCP finished on every rank: titan.json, then the manifest of checksums
@@ -440,19 +487,23 @@ class Checkpointer:
         kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
         cause, free = _cause(e), shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
         need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
-            p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters())
+            p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters()
+        )
         if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
-            cause = (f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
-                     f"{free / 2**20:.1f} MiB free on {self.folder} ({cause})")
-        raise CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, "
-                              f"{kept}") from None
+            cause = (
+                f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
+                f"{free / 2**20:.1f} MiB free on {self.folder} ({cause})"
+            )
+        raise CheckpointError(
+            f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, {kept}"
+        ) from None
 
     def _purge(self) -> None:
         """keep_latest_k: drop the oldest complete checkpoints (the step-0 seed is kept)."""
         if self.keep_latest_k <= 0:
             return
         steps = [s for s in complete_steps(self.folder) if s > 0]
-        for s in steps[:-self.keep_latest_k]:
+        for s in steps[: -self.keep_latest_k]:
             shutil.rmtree(self.folder / f"step-{s}", ignore_errors=True)
 
     def close(self) -> None:

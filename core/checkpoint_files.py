@@ -2,6 +2,7 @@
 checking one before it is loaded, and the single-process tools (full weights, Hugging Face
 export / import). The Checkpointer (core/checkpoint.py) writes and loads through these.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,8 +96,11 @@ def write_manifest(folder: Path) -> int:
     """Record every file's size and CRC32 in `MANIFEST`, written last (through a temporary name)
     so that its presence means the rest was complete. Returns the folder's total bytes."""
     # the DCP files; titan.json is ours, checked as it is parsed, and may be edited or dropped
-    files = {p.name: {"size": p.stat().st_size, "crc32": _crc32(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (MANIFEST, INFO)}
+    files = {
+        p.name: {"size": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name not in (MANIFEST, INFO)
+    }
     tmp = folder / f"{MANIFEST}{TMP}"
     tmp.write_text(json.dumps({"algorithm": "crc32", "files": files}, indent=1) + "\n")
     os.replace(tmp, folder / MANIFEST)
@@ -123,8 +127,10 @@ def verify_manifest(path: Path) -> None:
         if size != want["size"]:
             raise CheckpointError(f"{g}: {size} bytes, the manifest says {want['size']} (truncated or grown)")
         if _crc32(g) != want["crc32"]:
-            raise CheckpointError(f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
-                                  "after the save (disk or copy corruption)")
+            raise CheckpointError(
+                f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
+                "after the save (disk or copy corruption)"
+            )
 
 
 def verify_before_load(path: Path) -> int:
@@ -146,12 +152,17 @@ def move_aside_if_damaged(final: Path) -> None:
 
 def damaged_hint(path: Path, folder: Path) -> str:
     """How to go on without a damaged checkpoint: the previous complete step, if any."""
-    older = [s for s in complete_steps(folder) if folder / f"step-{s}" != path and (
-        not STEP_RE.match(path.name) or s < int(STEP_RE.match(path.name).group(1)))]
+    older = [
+        s
+        for s in complete_steps(folder)
+        if folder / f"step-{s}" != path and (not STEP_RE.match(path.name) or s < int(STEP_RE.match(path.name).group(1)))
+    ]
     if not older:
         return f"no earlier complete checkpoint in {folder}; move {path.name} aside to start fresh"
-    return (f"nothing was loaded or changed; to resume from step {older[-1]}, move it aside "
-            f"(mv {path} {path}.damaged) or set checkpoint.load_step={older[-1]}")
+    return (
+        f"nothing was loaded or changed; to resume from step {older[-1]}, move it aside "
+        f"(mv {path} {path}.damaged) or set checkpoint.load_step={older[-1]}"
+    )
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -166,8 +177,10 @@ def resolve(folder: Path, load_step: int = -1, resume_from: str = "") -> Path | 
         return own[load_step]
     newer = [p for s, p in incomplete_steps(folder).items() if load_step < 0 and s > max(own, default=-1)]
     if newer:  # never skipped (and later overwritten) without a word
-        raise CheckpointError(f"{newer[-1] / METADATA}: missing: {newer[-1].name} is not a complete checkpoint "
-                              f"but newer than every complete one; {damaged_hint(newer[-1], folder)}")
+        raise CheckpointError(
+            f"{newer[-1] / METADATA}: missing: {newer[-1].name} is not a complete checkpoint "
+            f"but newer than every complete one; {damaged_hint(newer[-1], folder)}"
+        )
     if load_step < 0 and own:
         return own[max(own)]
     if resume_from:
@@ -178,17 +191,22 @@ def resolve(folder: Path, load_step: int = -1, resume_from: str = "") -> Path | 
             return source
         steps = complete_steps(source)
         if not steps:
-            raise CheckpointError(f"{source}: checkpoint.resume_from holds no complete checkpoint "
-                                  f"(no {METADATA}, no step-N/{METADATA})")
+            raise CheckpointError(
+                f"{source}: checkpoint.resume_from holds no complete checkpoint (no {METADATA}, no step-N/{METADATA})"
+            )
         if load_step < 0:
             return steps[max(steps)]
         if load_step in steps:
             return steps[load_step]
-        raise CheckpointError(f"{source / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-                              f"(complete checkpoints there: {sorted(steps)})")
+        raise CheckpointError(
+            f"{source / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
+            f"(complete checkpoints there: {sorted(steps)})"
+        )
     if load_step >= 0:
-        raise CheckpointError(f"{folder / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-                              f"(complete checkpoints: {sorted(own) or 'none'})")
+        raise CheckpointError(
+            f"{folder / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
+            f"(complete checkpoints: {sorted(own) or 'none'})"
+        )
     return None
 
 
@@ -238,19 +256,22 @@ def check_shapes(path: Path, metadata, state: dict, info: dict, args=None) -> No
         ours, theirs = model_shape(args), info["model_shape"]
         diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
         if diff:
-            raise CheckpointError(f"{path / INFO}: checkpoint of another model shape: " + ", ".join(
-                f"{k} {a} (checkpoint) != {b} (this run)" for k, (a, b) in diff.items()))
+            raise CheckpointError(
+                f"{path / INFO}: checkpoint of another model shape: "
+                + ", ".join(f"{k} {a} (checkpoint) != {b} (this run)" for k, (a, b) in diff.items())
+            )
     stored = metadata.state_dict_metadata
     for key, value in _flatten(state).items():
         if key not in stored:
-            raise CheckpointError(f"{path / METADATA}: has no entry {key!r} "
-                                  "(a checkpoint of another model or layout?)")
+            raise CheckpointError(f"{path / METADATA}: has no entry {key!r} (a checkpoint of another model or layout?)")
         if isinstance(value, torch.Tensor):
             meta = stored[key]
             if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
                 got = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
-                raise CheckpointError(f"{path / METADATA}: {key} has shape {got}, this run needs "
-                                      f"{tuple(value.shape)} (a checkpoint of another model shape)")
+                raise CheckpointError(
+                    f"{path / METADATA}: {key} has shape {got}, this run needs "
+                    f"{tuple(value.shape)} (a checkpoint of another model shape)"
+                )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -271,9 +292,11 @@ def load_model_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     metadata = read_metadata(path)
     check_files(path, metadata)
     info = read_info(path)
-    model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    model = {
+        k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     if not model:
         raise CheckpointError(f"{path / METADATA}: no model weights in this checkpoint")
     state = {"model": model}
@@ -308,11 +331,16 @@ def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 
     tmp = out.with_name(out.name + TMP)
     shutil.rmtree(tmp, ignore_errors=True)
     dtypes = {v.dtype for v in model.values()}
-    dcp.save({"model": model, "train_state": json.dumps({"step": step})}, checkpoint_id=str(tmp),
-             no_dist=True)
-    info = {"step": step, "kind": "model", "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1
-            else "mixed", "model_args": dataclasses.asdict(args), "model_shape": model_shape(args),
-            "source": str(hf_folder), "torch": torch.__version__}
+    dcp.save({"model": model, "train_state": json.dumps({"step": step})}, checkpoint_id=str(tmp), no_dist=True)
+    info = {
+        "step": step,
+        "kind": "model",
+        "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "mixed",
+        "model_args": dataclasses.asdict(args),
+        "model_shape": model_shape(args),
+        "source": str(hf_folder),
+        "torch": torch.__version__,
+    }
     (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
     os.replace(tmp, out)
     return out

@@ -4,6 +4,7 @@ No `eval`: override values are parsed as TOML literals. Enum-like fields are `Li
 (core/validate.py checks them from the annotation, with every other check made before a process
 is spawned); every field carries a one-line doc (`field_docs()`, printed by `run-recipe keys`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,12 +45,18 @@ class Job:
     output_dir: str = field(default="runs/job", metadata={"doc": "folder of the run's metrics, checkpoints and record"})
     seed: int = field(default=0, metadata={"doc": "seed of the weights' init and the data order"})
     deterministic: bool = field(default=False, metadata={"doc": "torch.use_deterministic_algorithms"})
-    recipe: str = field(default="",
-                        metadata={"doc": "the recipe row id this job runs, if any (copied into the result record)"})
-    mode: Mode = field(default="proxy",
-                       metadata={"doc": "real | proxy | dry-run (a dry-run never reaches the trainer)"})
-    proxy_world_limit: int = field(default=16, metadata={
-        "doc": "proxy mode refuses larger worlds (proxies are meant for <= 16 CPU ranks); raise it explicitly"})
+    recipe: str = field(
+        default="", metadata={"doc": "the recipe row id this job runs, if any (copied into the result record)"}
+    )
+    mode: Mode = field(
+        default="proxy", metadata={"doc": "real | proxy | dry-run (a dry-run never reaches the trainer)"}
+    )
+    proxy_world_limit: int = field(
+        default=16,
+        metadata={
+            "doc": "proxy mode refuses larger worlds (proxies are meant for <= 16 CPU ranks); raise it explicitly"
+        },
+    )
 
 
 @dataclass
@@ -59,15 +66,19 @@ class Model:
     dim: int = field(default=0, metadata={"doc": "0: the flavor's; model width (n_heads divides it)"})
     n_layers: int = field(default=0, metadata={"doc": "0: the flavor's; transformer blocks (>= pipeline stages)"})
     n_heads: int = field(default=0, metadata={"doc": "0: the flavor's; attention heads (tp divides it)"})
-    n_kv_heads: int = field(default=0,
-                            metadata={"doc": "0: the flavor's; key/value heads (divides n_heads; tp divides it)"})
-    vocab_size: int = field(default=0,
-                            metadata={"doc": "0: the tokenizer's n_words (proxy flavors); real ones keep 128256"})
-    ffn_dim_multiplier: float = field(default=0.0,
-                                      metadata={"doc": "0: the flavor's; scales the FFN hidden size (8/3 dim)"})
+    n_kv_heads: int = field(
+        default=0, metadata={"doc": "0: the flavor's; key/value heads (divides n_heads; tp divides it)"}
+    )
+    vocab_size: int = field(
+        default=0, metadata={"doc": "0: the tokenizer's n_words (proxy flavors); real ones keep 128256"}
+    )
+    ffn_dim_multiplier: float = field(
+        default=0.0, metadata={"doc": "0: the flavor's; scales the FFN hidden size (8/3 dim)"}
+    )
     multiple_of: int = field(default=0, metadata={"doc": "0: the flavor's; the FFN hidden size rounds up to it"})
-    rope_scaling: RopeScaling = field(default="default",
-                                      metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"})
+    rope_scaling: RopeScaling = field(
+        default="default", metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"}
+    )
     init_device: Literal["auto", "meta"] = field(default="auto", metadata={"doc": "meta: CUDA's meta init on CPU too"})
 
 
@@ -79,12 +90,15 @@ class Tokenizer:
 
 @dataclass
 class Data:
-    dataset: DatasetKind = field(default="c4_offline",
-                                 metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"})
+    dataset: DatasetKind = field(
+        default="c4_offline", metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"}
+    )
     path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline), e.g. a C4 copy"})
     sharding: Literal["auto", "global", "per_rank"] = field(default="auto", metadata={"doc": "auto: per_rank if real"})
-    skip_bad_documents: bool = field(default=False, metadata={
-        "doc": "skip (and count in the record) malformed corpus lines instead of stopping at the first"})
+    skip_bad_documents: bool = field(
+        default=False,
+        metadata={"doc": "skip (and count in the record) malformed corpus lines instead of stopping at the first"},
+    )
 
 
 @dataclass
@@ -94,12 +108,15 @@ class Training:
     seq_len: int = field(default=256, metadata={"doc": "tokens per sequence"})
     grad_accum_steps: int = field(default=1, metadata={"doc": "microsteps accumulated per optimizer step"})
     max_norm: float = field(default=1.0, metadata={"doc": "grad-norm clipping; <= 0 disables"})
-    mixed_precision_param: DType = field(default="float32",
-                                         metadata={"doc": "FSDP2 param dtype for compute: bfloat16 | float32"})
+    mixed_precision_param: DType = field(
+        default="float32", metadata={"doc": "FSDP2 param dtype for compute: bfloat16 | float32"}
+    )
     mixed_precision_reduce: DType = field(default="float32", metadata={"doc": "gradient reduction dtype"})
     dataset_infinite: bool = field(default=True, metadata={"doc": "restart the dataset when it ends"})
-    skip_nonfinite_steps: int = field(default=0, metadata={
-        "doc": "steps with a non-finite loss or grad norm skipped (update not applied) before the run stops; 0 stops"})
+    skip_nonfinite_steps: int = field(
+        default=0,
+        metadata={"doc": "steps with a non-finite loss or grad norm skipped (no update) before the run stops; 0 stops"},
+    )
 
 
 @dataclass
@@ -126,31 +143,39 @@ class Parallelism:
     tp: int = field(default=1, metadata={"doc": "tensor (+ sequence) parallel degree"})
     pp: int = field(default=1, metadata={"doc": "pipeline parallel degree"})
     cp: int = field(default=1, metadata={"doc": "context parallel degree"})
-    loss_parallel: bool = field(default=True,
-                                metadata={"doc": "vocabulary-sharded cross-entropy (only used when tp > 1)"})
-    enable_async_tp: bool = field(default=False,
-                                  metadata={"doc": "AsyncTP: overlap TP collectives with matmuls (needs compile)"})
+    loss_parallel: bool = field(
+        default=True, metadata={"doc": "vocabulary-sharded cross-entropy (only used when tp > 1)"}
+    )
+    enable_async_tp: bool = field(
+        default=False, metadata={"doc": "AsyncTP: overlap TP collectives with matmuls (needs compile)"}
+    )
     fsdp_reshard_after_forward: Reshard = field(default="default", metadata={"doc": "default | always | never"})
     pp_schedule: PPSchedule = field(default="1F1B", metadata={"doc": "a torch.distributed.pipelining schedule"})
     pp_microbatches: int = field(default=0, metadata={"doc": "0: one per stage"})
-    pp_layers_per_stage: int = field(default=0,
-                                     metadata={"doc": "0: split layers evenly over pp * stages_per_rank stages"})
+    pp_layers_per_stage: int = field(
+        default=0, metadata={"doc": "0: split layers evenly over pp * stages_per_rank stages"}
+    )
     pp_stages_per_rank: int = field(default=0, metadata={"doc": "0: 1 for single-stage schedules, 2 for looped ones"})
-    pp_split_points: list[int] = field(default_factory=list,
-                                       metadata={"doc": "first layer of stages 1.. (overrides the above)"})
-    cp_rotate_method: CPRotate = field(default="allgather",
-                                       metadata={"doc": "how ring attention passes k/v: allgather | alltoall"})
-    world_size: int = field(default=0,
-                            metadata={"doc": "0: taken from the launcher (WORLD_SIZE) or the product of degrees"})
+    pp_split_points: list[int] = field(
+        default_factory=list, metadata={"doc": "first layer of stages 1.. (overrides the above)"}
+    )
+    cp_rotate_method: CPRotate = field(
+        default="allgather", metadata={"doc": "how ring attention passes k/v: allgather | alltoall"}
+    )
+    world_size: int = field(
+        default=0, metadata={"doc": "0: taken from the launcher (WORLD_SIZE) or the product of degrees"}
+    )
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: ACMode = field(default="none", metadata={"doc": "none | full | selective"})
-    selective_ac_option: str = field(default="op",
-                                     metadata={"doc": '"op", or an integer k: checkpoint every k-th block'})
-    save_every_other_mm: bool = field(default=False,
-                                      metadata={"doc": "op SAC: recompute every second matmul (torchtitan's policy)"})
+    selective_ac_option: str = field(
+        default="op", metadata={"doc": '"op", or an integer k: checkpoint every k-th block'}
+    )
+    save_every_other_mm: bool = field(
+        default=False, metadata={"doc": "op SAC: recompute every second matmul (torchtitan's policy)"}
+    )
 
 
 @dataclass
@@ -158,23 +183,29 @@ class Compile:
     enabled: bool = field(default=False, metadata={"doc": "torch.compile each transformer block"})
     backend: CompileBackend = field(default="inductor", metadata={"doc": "inductor | aot_eager | eager"})
     fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
-    emulate_precision_casts: bool = field(default=False,
-                                          metadata={"doc": "round fused bf16 values as eager does (for parity checks)"})
+    emulate_precision_casts: bool = field(
+        default=False, metadata={"doc": "round fused bf16 values as eager does (for parity checks)"}
+    )
 
 
 @dataclass
 class Float8:
     enabled: bool = field(default=False, metadata={"doc": "Float8 linears (torchao)"})
-    recipe: Float8Recipe = field(default="tensorwise",
-                                 metadata={"doc": "scaling: tensorwise | rowwise | rowwise_with_gw_hp"})
-    enable_fsdp_float8_all_gather: bool = field(default=False,
-                                                metadata={"doc": "all-gather FSDP parameters in float8 (tensorwise)"})
-    precompute_float8_dynamic_scale_for_fsdp: bool = field(default=False,
-                                                           metadata={"doc": "one amax all-reduce for all parameters"})
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"],
-                                   metadata={"doc": "linears left in high precision"})
-    emulate: bool = field(default=False,
-                          metadata={"doc": "torchao's emulation where the hardware lacks float8 matmuls"})
+    recipe: Float8Recipe = field(
+        default="tensorwise", metadata={"doc": "scaling: tensorwise | rowwise | rowwise_with_gw_hp"}
+    )
+    enable_fsdp_float8_all_gather: bool = field(
+        default=False, metadata={"doc": "all-gather FSDP parameters in float8 (tensorwise)"}
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = field(
+        default=False, metadata={"doc": "one amax all-reduce for all parameters"}
+    )
+    filter_fqns: list[str] = field(
+        default_factory=lambda: ["output"], metadata={"doc": "linears left in high precision"}
+    )
+    emulate: bool = field(
+        default=False, metadata={"doc": "torchao's emulation where the hardware lacks float8 matmuls"}
+    )
 
 
 @dataclass
@@ -195,8 +226,9 @@ class Checkpoint:
 class Metrics:
     log_freq: int = field(default=1, metadata={"doc": "steps between log lines"})
     enable_tensorboard: bool = field(default=False, metadata={"doc": "also write TensorBoard events"})
-    peak_flops: float = field(default=0.0,
-                              metadata={"doc": "0: from the device table (CUDA) or the measured CPU matmul peak"})
+    peak_flops: float = field(
+        default=0.0, metadata={"doc": "0: from the device table (CUDA) or the measured CPU matmul peak"}
+    )
     progress: bool = field(default=True, metadata={"doc": "a progress bar on rank 0"})
 
 
@@ -204,8 +236,9 @@ class Metrics:
 class Comm:
     init_timeout_seconds: int = field(default=300, metadata={"doc": "first step (compile, lazy init) may be slow"})
     train_timeout_seconds: int = field(default=100, metadata={"doc": "after the first step"})
-    trace_buf_size: int = field(default=0,
-                                metadata={"doc": "Flight Recorder entries (TORCH_FR_BUFFER_SIZE); 0 disables"})
+    trace_buf_size: int = field(
+        default=0, metadata={"doc": "Flight Recorder entries (TORCH_FR_BUFFER_SIZE); 0 disables"}
+    )
     fr_dump_folder: str = field(default="comm_traces", metadata={"doc": "under job.output_dir"})
 
 
@@ -234,7 +267,7 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
 
 
 def field_docs() -> dict[str, str]:
-    """"section.key" -> the field's one-line doc, for every key of the config."""
+    """ "section.key" -> the field's one-line doc, for every key of the config."""
     out = {}
     for section in dataclasses.fields(JobConfig):
         for f in dataclasses.fields(_section_class(section.name)):
@@ -244,6 +277,8 @@ def field_docs() -> dict[str, str]:
 
 # ----------------------------------------------------------------------------------- loading
 field_types = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
+
+
 def _section_class(name: str):
     hints = field_types(JobConfig)
     return hints[name]
@@ -289,9 +324,7 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], source: str = "config") -> 
         hints = field_types(type(obj))
         for key, value in values.items():
             if key not in hints:
-                raise ConfigError(
-                    f"{section}.{key}: unknown key in {source} (valid: {', '.join(hints)})"
-                )
+                raise ConfigError(f"{section}.{key}: unknown key in {source} (valid: {', '.join(hints)})")
             setattr(obj, key, _coerce(f"{section}.{key}", value, hints[key]))
     return cfg
 
@@ -327,8 +360,7 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}: cannot parse: {e}") from None
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> JobConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None) -> JobConfig:
     """Defaults <- base dict <- file <- overrides, then nothing else: call validate() separately."""
     cfg = JobConfig()
     if base:

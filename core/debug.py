@@ -21,6 +21,7 @@ Fault injection (tests; environment, first launch attempt only):
       ranks (default: all) write `<output_dir>/debug/pid_rank_R` and sleep SECONDS, so a test
       can SIGKILL a real rank mid-run, or hold one back to trigger a collective timeout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,7 @@ def _pg_config() -> dict:
             ranks = dist.get_process_group_ranks(pg)
         except (RuntimeError, ValueError, KeyError):
             continue
-        out[pg.group_name] = {"name": pg.group_name, "desc": getattr(pg, "group_desc", ""),
-                              "ranks": str(sorted(ranks))}
+        out[pg.group_name] = {"name": pg.group_name, "desc": getattr(pg, "group_desc", ""), "ranks": str(sorted(ranks))}
     return out
 
 
@@ -152,7 +152,7 @@ def read_traces(folder: str | os.PathLike) -> dict[int, dict]:
     out = {}
     for prefix in (OWN_PREFIX, FR_PREFIX):  # the watchdog's dump wins where both exist
         for f in sorted(Path(folder).glob(f"{prefix}*")):
-            suffix = f.name[len(prefix):]
+            suffix = f.name[len(prefix) :]
             if suffix.isdigit():
                 with open(f, "rb") as fh:
                     out[int(suffix)] = pickle.load(fh)
@@ -180,12 +180,22 @@ def analyze(traces: dict[int, dict]) -> dict:
         behind = sorted(r for r, s in seqs.items() if s < top)
         ahead = [r for r, s in seqs.items() if s == top]
         stuck = g["last"][ahead[0]]
-        report["groups"][name] = {"desc": g["desc"], "last_seq": seqs,
-                                  "stuck_in": {"seq": stuck[0], "op": stuck[1], "state": stuck[2],
-                                               "sizes": stuck[3]}}
+        report["groups"][name] = {
+            "desc": g["desc"],
+            "last_seq": seqs,
+            "stuck_in": {"seq": stuck[0], "op": stuck[1], "state": stuck[2], "sizes": stuck[3]},
+        }
         if behind:
-            report["lagging"].append({"group": name, "desc": g["desc"], "ranks": behind,
-                                      "waiting_ranks": sorted(ahead), "op": stuck[1], "seq": stuck[0]})
+            report["lagging"].append(
+                {
+                    "group": name,
+                    "desc": g["desc"],
+                    "ranks": behind,
+                    "waiting_ranks": sorted(ahead),
+                    "op": stuck[1],
+                    "seq": stuck[0],
+                }
+            )
     return report
 
 
@@ -195,23 +205,44 @@ def format_report(report: dict, traces: dict[int, dict]) -> str:
         ents = d.get("entries", [])
         last = ents[-1] if ents else None
         why = d.get("titan_reason") or ""
-        lines.append(f"  rank {r}: {len(ents)} entries" + (
-            f", last {last['profiling_name']} seq {last.get('collective_seq_id')} in group "
-            f"{last['process_group'][0]} ({last['process_group'][1]}), {last.get('state')}" if last else "")
-            + (f"; dumped on: {why.splitlines()[0][:160]}" if why else ""))
+        lines.append(
+            f"  rank {r}: {len(ents)} entries"
+            + (
+                f", last {last['profiling_name']} seq {last.get('collective_seq_id')} in group "
+                f"{last['process_group'][0]} ({last['process_group'][1]}), {last.get('state')}"
+                if last
+                else ""
+            )
+            + (f"; dumped on: {why.splitlines()[0][:160]}" if why else "")
+        )
     if not report["lagging"]:
         lines.append("No rank is behind: every rank issued the same last collective in every group.")
     for lag in report["lagging"]:
-        lines.append(f"Rank(s) {lag['ranks']} never issued {lag['op']} #{lag['seq']} in group {lag['group']} "
-                     f"({lag['desc']}) that rank(s) {lag['waiting_ranks']} are waiting in.")
+        lines.append(
+            f"Rank(s) {lag['ranks']} never issued {lag['op']} #{lag['seq']} in group {lag['group']} "
+            f"({lag['desc']}) that rank(s) {lag['waiting_ranks']} are waiting in."
+        )
     return "\n".join(lines)
 
 
 def torchfrtrace(folder: str | os.PathLike, *extra: str) -> str:
     """Run torch's own analyser (`torchfrtrace`) on a dump folder; returns what it printed.
     (A subprocess: its logger holds on to the stdout it found at import.)"""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder),
-                           "--prefix", FR_PREFIX, *extra], capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.flight_recorder.fr_trace",
+            str(folder),
+            "--prefix",
+            FR_PREFIX,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     return proc.stdout + proc.stderr
 
 

@@ -3,6 +3,7 @@
 `core.validate.validate` cannot see the GPUs; this can. The trainer's entry point calls it after
 validate (and a launcher may call it before spawning ranks).
 """
+
 from __future__ import annotations
 
 from core.config import ConfigError, JobConfig

@@ -7,6 +7,7 @@ forward+backward matmuls of every weight (the output projection counts as a weig
 attention's score and value matmuls; causal masking is not discounted.
 MFU = FLOPs/token * tokens/s per device / peak FLOP/s of one device.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,13 @@ from core.models.args import ModelArgs, param_count
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
-    "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H200": 989e12,
-    "A100": 312e12, "B200": 2.25e15, "MI300X": 1.3e15,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "B200": 2.25e15,
+    "MI300X": 1.3e15,
 }
 
 
@@ -51,7 +57,7 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, r
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> float:
@@ -73,15 +79,18 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
-    return {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-            "peak_flops": None, "peak_source": "measured bf16 matmul"}
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "peak_flops": None,
+        "peak_source": "measured bf16 matmul",
+    }
 
 
 def peak_memory_gib() -> float:
     """CUDA: max reserved (what the paper reports). CPU: this process's peak RSS."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_reserved() / 2 ** 30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30
+        return torch.cuda.max_memory_reserved() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
 def reset_peak_memory() -> None:
@@ -120,6 +129,7 @@ class MetricsLogger:
             if enable_tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter  # local: optional dependency
+
                     self.tb = SummaryWriter(str(out_dir / "tb"))
                 except ImportError:
                     print("[metrics] tensorboard is not installed: logging to JSONL only", flush=True)

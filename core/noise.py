@@ -4,6 +4,7 @@ Each entry is (logger or "warnings", message start, why it is noise). Only these
 are dropped; everything else a library logs still shows. The trainer installs the filters at
 start (and the dry-run's fake step, and DCP's checkpoint process when it re-imports core.train).
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,27 +12,51 @@ import re
 import warnings
 
 KNOWN_NOISE = (
-    ("torchao", "Failed to load ",
-     "torchao's prebuilt kernels (mxfp8, cutlass sm90a) that a CPU-only or other-Python install cannot "
-     "load; Float8 training uses torch._scaled_mm (or its emulation), not those kernels"),
-    ("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass",
-     "torch's deprecation notice about torchao registering its KernelPreference enum (torchao's to fix)"),
-    ("torch._higher_order_ops.wrap", "\nDetected that context_fn is passed to torch.utils.checkpoint",
-     "selective AC under compile: a caution against in-place ops, which the model's blocks do not use"),
-    ("warnings", "Torchinductor does not support code generation for complex operators",
-     "RoPE's complex multiply runs eager inside the compiled block (as in torchtitan)"),
-    ("torch.distributed.device_mesh", "It seems like pickling/unpickling of the DeviceMesh",
-     "DCP's checkpoint process unpickles DTensors without the training groups; it never compiles"),
-    ("torch.distributed.tensor._redistribute", "While redistributing from (_NormPartial",
-     "the dry-run fake step's FSDP x TP gradient norm: two scalar all-reduces, one per mesh dim"),
-    ("root", "Initializing dist.ProcessGroup in checkpoint background process",
-     "DCP's checkpoint process (async_with_pinned_mem) reporting its start-up and every request"),
+    (
+        "torchao",
+        "Failed to load ",
+        "torchao's prebuilt kernels (mxfp8, cutlass sm90a) that a CPU-only or other-Python install cannot "
+        "load; Float8 training uses torch._scaled_mm (or its emulation), not those kernels",
+    ),
+    (
+        "torch.utils._pytree",
+        "<enum 'KernelPreference'> is an Enum subclass",
+        "torch's deprecation notice about torchao registering its KernelPreference enum (torchao's to fix)",
+    ),
+    (
+        "torch._higher_order_ops.wrap",
+        "\nDetected that context_fn is passed to torch.utils.checkpoint",
+        "selective AC under compile: a caution against in-place ops, which the model's blocks do not use",
+    ),
+    (
+        "warnings",
+        "Torchinductor does not support code generation for complex operators",
+        "RoPE's complex multiply runs eager inside the compiled block (as in torchtitan)",
+    ),
+    (
+        "torch.distributed.device_mesh",
+        "It seems like pickling/unpickling of the DeviceMesh",
+        "DCP's checkpoint process unpickles DTensors without the training groups; it never compiles",
+    ),
+    (
+        "torch.distributed.tensor._redistribute",
+        "While redistributing from (_NormPartial",
+        "the dry-run fake step's FSDP x TP gradient norm: two scalar all-reduces, one per mesh dim",
+    ),
+    (
+        "root",
+        "Initializing dist.ProcessGroup in checkpoint background process",
+        "DCP's checkpoint process (async_with_pinned_mem) reporting its start-up and every request",
+    ),
     ("root", "Checkpoint background process is running", "as above"),
     ("root", "Waiting for checkpoint save request", "as above"),
     ("root", "Received async checkpoint request", "as above"),
     ("root", "Completed checkpoint save request", "as above"),
-    ("warnings", "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is",
-     "DCP on the single-process tools (export / import), which pass no_dist=True on purpose"),
+    (
+        "warnings",
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is",
+        "DCP on the single-process tools (export / import), which pass no_dist=True on purpose",
+    ),
 )
 
 

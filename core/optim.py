@@ -1,4 +1,5 @@
 """Optimizer, LR schedule (linear warmup, then decay) and grad-norm clipping for sharded params."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,7 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
     # foreach: one fused kernel launch over all (D)Tensors of a step.
-    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-               weight_decay=o.weight_decay, foreach=True)
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, decay: str, min_factor: float) -> float:
@@ -39,7 +39,8 @@ def lr_factor(step: int, warmup: int, total: int, decay: str, min_factor: float)
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig):
     s, total = cfg.lr_scheduler, cfg.training.steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, s.warmup_steps, total, s.decay_type, s.min_lr_factor))
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, total, s.decay_type, s.min_lr_factor)
+    )
 
 
 @torch.no_grad()
@@ -55,9 +56,9 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     if isinstance(total, DTensor):
         total = total.full_tensor()
     if pp_group is not None:
-        total = total ** 2
+        total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total ** 0.5
+        total = total**0.5
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -4,6 +4,7 @@ It is the ground truth of loss parity (every N-D layout is compared with it dire
 same weights, global batch and token order) and the baseline of the trainer's overhead
 benchmark. It shares only the model, the data loader and the LR shape with the trainer.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,9 @@ from core.models.args import model_args  # the same ModelArgs resolution as the 
 from core.optim import lr_factor
 
 
-def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None,
-                  batches=None, bf16: str = "autocast") -> dict:
+def reference_run(
+    cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None, batches=None, bf16: str = "autocast"
+) -> dict:
     """Train cfg's model in this process on the global batch of cfg's layout.
 
     `batches`: an iterable of (inputs, labels) global batches; by default the trainer's data
@@ -40,12 +42,15 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
     args = model_args(cfg, tokenizer.n_words if tokenizer else vocab_size)
     model = init_model(args)  # on CPU from the seed: the weights every layout starts from
     if batches is None:
-        batches = build_dataloader(cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size,
-                                   local_batch_size=t.local_batch_size * dp)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
+        batches = build_dataloader(
+            cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size, local_batch_size=t.local_batch_size * dp
+        )
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor))
+        opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor)
+    )
     use_bf16 = t.mixed_precision_param == "bfloat16"
     bf16_params = use_bf16 and bf16 == "params"
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16 and not bf16_params)
@@ -60,7 +65,8 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
             with autocast:
                 if bf16_params:  # the cast is differentiable: grads arrive in fp32, like FSDP2's
                     logits = torch.func.functional_call(
-                        model, {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}, (inputs,))
+                        model, {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}, (inputs,)
+                    )
                 else:
                     logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / t.grad_accum_steps
@@ -72,5 +78,9 @@ def reference_run(cfg: JobConfig, vocab_size: int | None = None, steps: int | No
         sched.step()
         times.append(time.perf_counter() - t0)
         losses.append(total)
-    return {"losses": losses, "step_times_s": times, "grad_norms": norms,
-            "tokens_per_step": t.local_batch_size * dp * t.seq_len * t.grad_accum_steps}
+    return {
+        "losses": losses,
+        "step_times_s": times,
+        "grad_norms": norms,
+        "tokens_per_step": t.local_batch_size * dp * t.seq_len * t.grad_accum_steps,
+    }

@@ -4,6 +4,7 @@ Launch: `torchrun --nproc_per_node N -m core.train --config job.toml [--section.
 (or `python -m core.train ...` for one process). Rank 0 writes `result.json` (the result record)
 and `metrics.jsonl` in `job.output_dir`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,13 @@ def init_distributed(cfg: JobConfig) -> None:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -98,14 +104,15 @@ class TrainStep:
     dry-run's fake step runs it too): the CP context around both, loss parallel around the loss,
     the pipeline schedule when there is one, bf16 autocast when nothing else casts."""
 
-    def __init__(self, cfg: JobConfig, mesh, device: torch.device, model_parts: list[nn.Module],
-                 pp_schedule=None):
+    def __init__(self, cfg: JobConfig, mesh, device: torch.device, model_parts: list[nn.Module], pp_schedule=None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_parts, self.pp_schedule = model_parts, pp_schedule
         self.stages = schedule_stages(pp_schedule) if pp_schedule is not None else []
         # Without FSDP nothing casts parameters for compute: bf16 runs under autocast.
-        self.autocast_bf16 = cfg.training.mixed_precision_param == "bfloat16" and \
-            not ParallelDims.from_config(cfg.parallelism).fsdp_enabled
+        self.autocast_bf16 = (
+            cfg.training.mixed_precision_param == "bfloat16"
+            and not ParallelDims.from_config(cfg.parallelism).fsdp_enabled
+        )
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
@@ -119,8 +126,9 @@ class TrainStep:
                 has_first = any(s.is_first for s in self.stages)
                 has_last = any(s.is_last for s in self.stages)
                 with loss_parallel_context(self.cfg):
-                    self.pp_schedule.step(*([inputs] if has_first else []),
-                                          target=labels if has_last else None, losses=losses)
+                    self.pp_schedule.step(
+                        *([inputs] if has_first else []), target=labels if has_last else None, losses=losses
+                    )
                 loss = torch.stack(losses).sum() if has_last else torch.zeros((), device=self.device)
                 return loss.detach()  # per-microbatch losses were already divided by accum
             model = self.model_parts[0]
@@ -143,8 +151,11 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.device = torch.device(device_type(), torch.cuda.current_device()) if torch.cuda.is_available() \
+        self.device = (
+            torch.device(device_type(), torch.cuda.current_device())
+            if torch.cuda.is_available()
             else torch.device("cpu")
+        )
         self.out_dir = Path(cfg.job.output_dir)
         self.dims = ParallelDims.from_config(cfg.parallelism)
         self.mesh = self.dims.build_mesh(self.device.type, cfg.comm.init_timeout_seconds)
@@ -158,22 +169,36 @@ class Trainer:
             self.tokenizer = Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
         self.model_args = model_args(cfg, self.tokenizer.n_words if self.tokenizer else None)
 
-        self.model_parts, self.pp_schedule = build_model(self.model_args, cfg, self.mesh, self.dims, self.device,
-                                                         self.toggles, pipeline_loss(cfg))
+        self.model_parts, self.pp_schedule = build_model(
+            self.model_args, cfg, self.mesh, self.dims, self.device, self.toggles, pipeline_loss(cfg)
+        )
         self.step_fn = TrainStep(cfg, self.mesh, self.device, self.model_parts, self.pp_schedule)
         self.optimizer = build_optimizer(self.model_parts, cfg)
         self.post_optimizer_hook = post_optimizer_hook(cfg)  # Float8: precompute FSDP scales
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         dp_mesh = self.mesh["dp"]
-        self.dataloader = build_dataloader(cfg, self.tokenizer, dp_rank=dp_mesh.get_local_rank(),
-                                           dp_degree=dp_mesh.size(), vocab_size=self.model_args.vocab_size)
+        self.dataloader = build_dataloader(
+            cfg,
+            self.tokenizer,
+            dp_rank=dp_mesh.get_local_rank(),
+            dp_degree=dp_mesh.size(),
+            vocab_size=self.model_args.vocab_size,
+        )
         self.train_state = TrainState()
         self.skipped_last_step, self.skipped_steps = False, []  # the non-finite guard's steps
         self.checkpointer = None
         if cfg.checkpoint.enabled:
             self.checkpointer = Checkpointer(
-                cfg, self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self.train_state,
-                dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(), model_args=self.model_args)
+                cfg,
+                self.model_parts,
+                self.optimizer,
+                self.lr_scheduler,
+                self.dataloader,
+                self.train_state,
+                dp_rank=dp_mesh.get_local_rank(),
+                dp_degree=dp_mesh.size(),
+                model_args=self.model_args,
+            )
 
     @property
     def step(self) -> int:
@@ -182,8 +207,12 @@ class Trainer:
     def _local_state_bytes(self) -> dict:
         """Bytes this rank holds of parameters and optimizer state (its shards only)."""
         params = sum(_local_bytes(p) for m in self.model_parts for p in m.parameters())
-        optim = sum(_local_bytes(v) for state in self.optimizer.state.values()
-                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        optim = sum(
+            _local_bytes(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         return {"params": params, "optimizer": optim}
 
     def _pp_record(self) -> dict:
@@ -192,8 +221,12 @@ class Trainer:
             return {}
         p = self.cfg.parallelism
         spr, micro = len(self.step_fn.stages), self.pp_schedule._n_microbatches
-        out = {"pp_schedule": p.pp_schedule, "pp_microbatches": micro, "pp_stages_per_rank": spr,
-               "pp_bubble_costs": DEFAULT_COSTS}
+        out = {
+            "pp_schedule": p.pp_schedule,
+            "pp_microbatches": micro,
+            "pp_stages_per_rank": spr,
+            "pp_bubble_costs": DEFAULT_COSTS,
+        }
         try:
             out["pp_bubble_fraction"] = bubble_fraction(p.pp_schedule, self.dims.pp, micro, spr)
         except (RuntimeError, ValueError, AssertionError) as e:  # never lose the run's record to it
@@ -242,14 +275,19 @@ class Trainer:
         limit = self.cfg.training.skip_nonfinite_steps
         if len(self.skipped_steps) <= limit:
             if self.rank == 0:
-                print(f"[train] step {self.step}: {what}; update skipped ({len(self.skipped_steps)} of "
-                      f"training.skip_nonfinite_steps={limit})", flush=True)
+                print(
+                    f"[train] step {self.step}: {what}; update skipped ({len(self.skipped_steps)} of "
+                    f"training.skip_nonfinite_steps={limit})",
+                    flush=True,
+                )
             return
         if self.checkpointer:  # finish the save of the last good step; this state is never saved
             self.checkpointer.close()
-        raise NonFiniteError(f"step {self.step}: {what}; update skipped and the run stopped "
-                             f"(training.skip_nonfinite_steps={limit}); the last complete checkpoint "
-                             "is kept and holds finite weights")
+        raise NonFiniteError(
+            f"step {self.step}: {what}; update skipped and the run stopped "
+            f"(training.skip_nonfinite_steps={limit}); the last complete checkpoint "
+            "is kept and holds finite weights"
+        )
 
     # ---------------------------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -258,23 +296,29 @@ class Trainer:
             self.checkpointer.load()
         self.start_step = self.step  # > 0 when resumed from a checkpoint
         if self.start_step >= t.steps and not getattr(self.checkpointer, "loaded_final_export", False):
-            raise CheckpointError(f"training.steps: {t.steps} is not above the step {self.start_step} of the "
-                                  f"checkpoint loaded from {self.checkpointer.loaded_from}: nothing to train "
-                                  f"(set training.steps > {self.start_step})")
+            raise CheckpointError(
+                f"training.steps: {t.steps} is not above the step {self.start_step} of the "
+                f"checkpoint loaded from {self.checkpointer.loaded_from}: nothing to train "
+                f"(set training.steps > {self.start_step})"
+            )
         if self.rank == 0:  # a resumed (or re-used) folder: metrics.jsonl continues without duplicates
             trim_metrics(self.out_dir / "metrics.jsonl", self.start_step)
         logger = MetricsLogger(self.out_dir, self.rank, cfg.metrics.enable_tensorboard)
         data_iter = iter(self.dataloader)
         tokens_per_step = t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         fpt = flops_per_token(self.model_args, t.seq_len)
-        peak = cfg.metrics.peak_flops or device_info()["peak_flops"] or \
-            cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
+        peak = (
+            cfg.metrics.peak_flops
+            or device_info()["peak_flops"]
+            or cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
+        )
         losses, grad_norms, step_times, self.data_times = [], [], [], []
         self.memory = PeakMemory()
         progress = None
         if self.rank == 0 and cfg.metrics.progress:
-            progress = tqdm(total=t.steps, initial=self.step, desc=cfg.job.name, unit="step",
-                            file=sys.stderr, dynamic_ncols=True)
+            progress = tqdm(
+                total=t.steps, initial=self.step, desc=cfg.job.name, unit="step", file=sys.stderr, dynamic_ncols=True
+            )
         wall0 = time.perf_counter()
         while self.step < t.steps:
             self.train_state.step += 1
@@ -295,10 +339,19 @@ class Trainer:
             self.data_times.append(data_dt)
             tps = tokens_per_step / self.world_size / dt
             if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
-                logger.log(self.step, {"loss": loss, "grad_norm": gnorm, "lr": self.lr_scheduler.get_last_lr()[0],
-                                       "step_time_s": dt, "data_time_s": data_dt,
-                                       "tokens_per_sec_per_device": tps,
-                                       "mfu": fpt * tps / peak, "memory_gib": peak_memory_gib()})
+                logger.log(
+                    self.step,
+                    {
+                        "loss": loss,
+                        "grad_norm": gnorm,
+                        "lr": self.lr_scheduler.get_last_lr()[0],
+                        "step_time_s": dt,
+                        "data_time_s": data_dt,
+                        "tokens_per_sec_per_device": tps,
+                        "mfu": fpt * tps / peak,
+                        "memory_gib": peak_memory_gib(),
+                    },
+                )
             if progress:
                 progress.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
                 progress.update(1)
@@ -309,8 +362,9 @@ class Trainer:
                 # kept apart from the steady one, and the shorter timeout applies from now on
                 self.memory.first_step_done()
                 dist.barrier()
-                set_pg_timeouts(cfg.comm.train_timeout_seconds,
-                                exclude=[self.checkpointer.pg] if self.checkpointer else [])
+                set_pg_timeouts(
+                    cfg.comm.train_timeout_seconds, exclude=[self.checkpointer.pg] if self.checkpointer else []
+                )
             maybe_pause(self.step, self.out_dir, self.rank)  # fault-injection hook (tests)
         wall = time.perf_counter() - wall0
         if progress:
@@ -340,12 +394,20 @@ class Trainer:
             "mode": self.cfg.job.mode,
             "config": self.cfg.to_dict(),
             "versions": versions(),
-            "hardware": {"device": info["device"], "world_size": self.world_size,
-                         "peak_flops": peak, "peak_source": info["peak_source"]},
+            "hardware": {
+                "device": info["device"],
+                "world_size": self.world_size,
+                "peak_flops": peak,
+                "peak_source": info["peak_source"],
+            },
             "world_size": self.world_size,
-            "model": {"flavor": self.cfg.model.flavor, "params": sum(
-                p.numel() for m in self.model_parts for p in m.parameters()) if self.dims.pp == 1 else None,
-                **shape_record(self.model_args)},  # the resolved shape: flavor + model.* overrides
+            "model": {
+                "flavor": self.cfg.model.flavor,
+                "params": sum(p.numel() for m in self.model_parts for p in m.parameters())
+                if self.dims.pp == 1
+                else None,
+                **shape_record(self.model_args),
+            },  # the resolved shape: flavor + model.* overrides
             "toggles_applied": self.toggles.applied,
             "toggles_skipped": self.toggles.skipped,
             **self._pp_record(),
@@ -367,7 +429,8 @@ class Trainer:
             "peak_memory_gib_per_rank": mem,
             "first_step_peak_memory_gib": max((m for m in first_mem if m is not None), default=None),
             "first_step_peak_memory_gib_per_rank": first_mem,
-            "memory_kind": "cuda max reserved, reset after step 1" if self.device.type == "cuda"
+            "memory_kind": "cuda max reserved, reset after step 1"
+            if self.device.type == "cuda"
             else "cpu peak RSS (cannot be reset: includes step 1)",
             "param_bytes_per_rank": [b["params"] for b in state_bytes],
             "optimizer_bytes_per_rank": [b["optimizer"] for b in state_bytes],
@@ -430,9 +493,13 @@ def run(cfg: JobConfig) -> dict:
     steps = record["step_times_s"]
     # rank 0's time per phase: the first step pays lazy init and compilation; "other" is the
     # logger, checkpoint load and the record's gathers
-    record["timings_s"] = {**STARTUP_S, "trainer_init": t_init, "first_step": steps[0] if steps else 0.0,
-                           "later_steps": sum(steps[1:]),
-                           "other": time.perf_counter() - t0 - t_init - sum(steps)}
+    record["timings_s"] = {
+        **STARTUP_S,
+        "trainer_init": t_init,
+        "first_step": steps[0] if steps else 0.0,
+        "later_steps": sum(steps[1:]),
+        "other": time.perf_counter() - t0 - t_init - sum(steps),
+    }
     if trainer.rank == 0:
         out = Path(cfg.job.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -454,8 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if "RANK" not in os.environ and cfg.parallelism.world_size > 1:
-        print(f"config error: parallelism: a world of {cfg.parallelism.world_size} ranks needs torchrun "
-              f"(--nproc_per_node={cfg.parallelism.world_size}) or `run-recipe run`", file=sys.stderr)
+        print(
+            f"config error: parallelism: a world of {cfg.parallelism.world_size} ranks needs torchrun "
+            f"(--nproc_per_node={cfg.parallelism.world_size}) or `run-recipe run`",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.perf_counter()
     init_distributed(cfg)

@@ -2,6 +2,7 @@
 of core/config.py), degrees against the world, the model shape, the pipeline split, toggle
 combinations, value ranges and (optionally) the files named. Errors name the key.
 `validate()` returns a checked copy and never changes its input."""
+
 from __future__ import annotations
 
 import copy
@@ -46,14 +47,14 @@ def _degrees(p: Parallelism, world_size: int | None) -> tuple[int, int]:
         if not world:
             world = others  # nothing to fill from: dp_shard = 1
         if world % others:
-            raise ConfigError(
-                f"parallelism: dp_replicate*tp*pp*cp = {others} does not divide the world size {world}")
+            raise ConfigError(f"parallelism: dp_replicate*tp*pp*cp = {others} does not divide the world size {world}")
         dp_shard = world // others
     product = others * dp_shard
     if world and product != world:
         raise ConfigError(
             f"parallelism: dp_replicate({p.dp_replicate}) * dp_shard({dp_shard}) * cp({p.cp}) * "
-            f"tp({p.tp}) * pp({p.pp}) = {product}, not the world size {world}")
+            f"tp({p.tp}) * pp({p.pp}) = {product}, not the world size {world}"
+        )
     return dp_shard, product
 
 
@@ -66,11 +67,14 @@ def _validate_toggles(cfg: JobConfig) -> None:
     """Compile / Float8 / AsyncTP combinations (the hardware is checked by core.hardware)."""
     f, p = cfg.float8, cfg.parallelism
     if f.enable_fsdp_float8_all_gather and f.recipe != "tensorwise":
-        raise ConfigError(f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "
-                          f"(one scale per tensor), got {f.recipe!r}")
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather: needs float8.recipe = 'tensorwise' "
+            f"(one scale per tensor), got {f.recipe!r}"
+        )
     if f.precompute_float8_dynamic_scale_for_fsdp and not f.enable_fsdp_float8_all_gather:
-        raise ConfigError("float8.precompute_float8_dynamic_scale_for_fsdp: needs "
-                          "float8.enable_fsdp_float8_all_gather = true")
+        raise ConfigError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp: needs float8.enable_fsdp_float8_all_gather = true"
+        )
     if p.enable_async_tp and p.tp < 2:
         raise ConfigError(f"parallelism.enable_async_tp: needs tensor parallelism (parallelism.tp > 1), got tp {p.tp}")
     if p.enable_async_tp and not cfg.compile.enabled:
@@ -78,12 +82,16 @@ def _validate_toggles(cfg: JobConfig) -> None:
 
 
 _RANGES = {  # key: (test, what it means); every value must also be finite
-    "optimizer.lr": (lambda v: v > 0, "> 0"), "optimizer.eps": (lambda v: v > 0, "> 0"),
-    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"), "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1,
-                                                                                          "in [0, 1]"),
-    "training.max_norm": (lambda v: True, "a number"), "metrics.peak_flops": (lambda v: v >= 0, ">= 0"),
-    "training.skip_nonfinite_steps": (lambda v: v >= 0, ">= 0"), "job.proxy_world_limit": (lambda v: v >= 1, ">= 1"),
+    "optimizer.lr": (lambda v: v > 0, "> 0"),
+    "optimizer.eps": (lambda v: v > 0, "> 0"),
+    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "training.max_norm": (lambda v: True, "a number"),
+    "metrics.peak_flops": (lambda v: v >= 0, ">= 0"),
+    "training.skip_nonfinite_steps": (lambda v: v >= 0, ">= 0"),
+    "job.proxy_world_limit": (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -98,11 +106,14 @@ def _check_values(cfg: JobConfig) -> None:
 def _check_tokenizer(cfg: JobConfig) -> None:
     """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank loads it."""
     from core.data.tokenizer import Tokenizer  # here: tiktoken is only needed when files are checked
+
     try:
         Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a tokenizer"
-        raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(
+            f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
@@ -144,31 +155,39 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     t, p = cfg.training, cfg.parallelism
     p.dp_shard, p.world_size = dp_shard, world
     if cfg.job.mode == "proxy" and world > cfg.job.proxy_world_limit:
-        raise ConfigError(f"parallelism: a proxy world of {world} ranks is above job.proxy_world_limit="
-                          f"{cfg.job.proxy_world_limit} (proxies are CPU runs of <= 16 ranks); set "
-                          "job.proxy_world_limit explicitly to allow it")
+        raise ConfigError(
+            f"parallelism: a proxy world of {world} ranks is above job.proxy_world_limit="
+            f"{cfg.job.proxy_world_limit} (proxies are CPU runs of <= 16 ranks); set "
+            "job.proxy_world_limit explicitly to allow it"
+        )
     args = check_shape(cfg)  # the flavor with the model.dim, ... overrides; ConfigError naming the key
     for key in ("n_heads", "n_kv_heads", "ffn_hidden_dim") + (("vocab_size",) if cfg.model.vocab_size else ()):
         if getattr(args, key) % p.tp:
-            raise ConfigError(f"parallelism.tp: {p.tp} does not divide model {key} {getattr(args, key)} "
-                              f"({cfg.model.flavor})")
+            raise ConfigError(
+                f"parallelism.tp: {p.tp} does not divide model {key} {getattr(args, key)} ({cfg.model.flavor})"
+            )
     if p.pp > 1:
         check_pipeline(cfg, args.n_layers)
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
-            f"training.seq_len: {t.seq_len} must divide by 2 x cp = {2 * p.cp} (load-balanced context parallel)")
+            f"training.seq_len: {t.seq_len} must divide by 2 x cp = {2 * p.cp} (load-balanced context parallel)"
+        )
     if p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError(f"training.seq_len: {t.seq_len} must divide by tp {p.tp} (sequence parallel)")
     if p.tp > 1 and p.cp > 1 and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
-                          f"tp {p.tp} (sequence parallel inside context parallel)")
+        raise ConfigError(
+            f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
+            f"tp {p.tp} (sequence parallel inside context parallel)"
+        )
     if check_files:
         if cfg.data.dataset == "c4_offline" and not Path(cfg.data.path).exists():
             raise ConfigError(
-                f"data.path: {cfg.data.path} does not exist (build it: python -m core.data.assets --corpus)")
+                f"data.path: {cfg.data.path} does not exist (build it: python -m core.data.assets --corpus)"
+            )
         if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
             raise ConfigError(
-                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)")
+                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"
+            )
         if cfg.data.dataset != "synthetic":
             _check_tokenizer(cfg)
         if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():

@@ -8,6 +8,7 @@ in EXTENSIONS below each; the module is imported only when its command runs (the
 torch, and `run-recipe list` / `--help` must stay fast). `main.add_command(cmd)` works too for
 code that imports this module.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,19 +30,29 @@ from recipes.schema import MODES, TABLES, RecipeError
 # name -> ("module:attribute" of a click command, imported lazily; its line in `--help`).
 EXTENSIONS: dict[str, tuple[str, str]] = {
     "bench": ("recipes.studies.bench:bench", "Trainer overhead, proxy MFU, FSDP memory per rank (+ the two below)."),
-    "checkpoint-bench": ("recipes.studies.checkpoint_bench:checkpoint_bench",
-                         "Checkpoint overhead: sync vs async DCP save."),
-    "convergence": ("recipes.studies.convergence:convergence",
-                    "The four loss-convergence rows as proxies, plotted and checked vs 1D."),
+    "checkpoint-bench": (
+        "recipes.studies.checkpoint_bench:checkpoint_bench",
+        "Checkpoint overhead: sync vs async DCP save.",
+    ),
+    "convergence": (
+        "recipes.studies.convergence:convergence",
+        "The four loss-convergence rows as proxies, plotted and checked vs 1D.",
+    ),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
-    "dry-run-table": ("recipes.dryrun_table:main",
-                      "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate)."),
+    "dry-run-table": (
+        "recipes.dryrun_table:main",
+        "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate).",
+    ),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
-    "preflight": ("recipes.studies.preflight:preflight",
-                  "First command on a new node: every feature the rows need, a verdict each, 1D parity."),
+    "preflight": (
+        "recipes.studies.preflight:preflight",
+        "First command on a new node: every feature the rows need, a verdict each, 1D parity.",
+    ),
     "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
-    "toggles-bench": ("recipes.studies.toggles_bench:toggles_bench",
-                      "AC, regional compile and Float8 on the CPU proxy."),
+    "toggles-bench": (
+        "recipes.studies.toggles_bench:toggles_bench",
+        "AC, regional compile and Float8 on the CPU proxy.",
+    ),
 }
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
@@ -51,8 +62,11 @@ class RecipeGroup(click.Group):
     """A click group that also serves the lazily imported EXTENSIONS commands."""
 
     def list_commands(self, ctx):
-        present = {name for name, (target, _) in EXTENSIONS.items()
-                   if importlib.util.find_spec(target.split(":")[0]) is not None}
+        present = {
+            name
+            for name, (target, _) in EXTENSIONS.items()
+            if importlib.util.find_spec(target.split(":")[0]) is not None
+        }
         return sorted(set(super().list_commands(ctx)) | present)
 
     def get_command(self, ctx, name):
@@ -103,8 +117,12 @@ def main():
 @main.command("list")
 @click.option("--ids", is_flag=True, help="Only the ids, one per line.")
 @click.option("--table", type=click.Choice(TABLES), help="Only the rows of one table.")
-@click.option("--markdown", is_flag=True, help="A markdown table with each row's command, modes and "
-              "results link (the README's recipe table; machine independent).")
+@click.option(
+    "--markdown",
+    is_flag=True,
+    help="A markdown table with each row's command, modes and "
+    "results link (the README's recipe table; machine independent).",
+)
 def list_cmd(ids, table, markdown):
     """The recipe rows: id, table, row, paper GPUs, proxy world size, modes runnable here."""
     recipes = registry.by_table(table) if table else registry.all_recipes()
@@ -137,6 +155,7 @@ def list_cmd(ids, table, markdown):
 def _visible_gpus() -> int:
     try:
         import torch  # here: the CLI must not pay torch's import unless it looks at the GPUs
+
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - listing must work whatever the torch build
         return 0
@@ -161,15 +180,21 @@ def keys_cmd(pattern):
     rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
-    click.echo(tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True,
-                        maxcolwidths=[None, 30, 80]))
+    click.echo(
+        tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True, maxcolwidths=[None, 30, 80])
+    )
 
 
 @main.command("show")
 @click.argument("recipe_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`.",
+)
 def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
     try:
@@ -179,25 +204,49 @@ def show_cmd(recipe_id, as_json, overrides):
         _fail(f"error: {e}", EXIT_CONFIG)
     hard, advisory = launcher.real_requirements(r, cfgs["real"])
     if as_json:
-        click.echo(json.dumps({
-            "id": r.id, "title": r.title, "table": r.table, "row": r.row, "order": r.order,
-            "techniques": list(r.techniques), "baseline": r.baseline, "source": r.source,
-            "paper": {"gpus": r.gpus, "gpus_per_node": r.gpus_per_node, "nodes": r.nnodes(),
-                      "config": cfgs["real"].to_dict()},
-            "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
-            "reference": r.reference,
-            "requires": {"real": hard, "advisory": advisory, "proxy": list(r.requires.get("proxy", ["cpu"])),
-                         "dry-run": ["core.dryrun"]},
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "id": r.id,
+                    "title": r.title,
+                    "table": r.table,
+                    "row": r.row,
+                    "order": r.order,
+                    "techniques": list(r.techniques),
+                    "baseline": r.baseline,
+                    "source": r.source,
+                    "paper": {
+                        "gpus": r.gpus,
+                        "gpus_per_node": r.gpus_per_node,
+                        "nodes": r.nnodes(),
+                        "config": cfgs["real"].to_dict(),
+                    },
+                    "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
+                    "reference": r.reference,
+                    "requires": {
+                        "real": hard,
+                        "advisory": advisory,
+                        "proxy": list(r.requires.get("proxy", ["cpu"])),
+                        "dry-run": ["core.dryrun"],
+                    },
+                },
+                indent=2,
+            )
+        )
         return
     defaults = _flat(JobConfig().to_dict())
     paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
     skip = ("job.", "tokenizer.path", "data.path")
     docs = field_docs()
-    rows = [[k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")] for k in paper
-            if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)]
-    rows += [[k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
-             for k in ("tokenizer.path", "data.path")]
+    rows = [
+        [k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")]
+        for k in paper
+        if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)
+    ]
+    rows += [
+        [k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
+        for k in ("tokenizer.path", "data.path")
+    ]
     click.echo(f"{r.id} — {r.title}")
     click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
     if r.baseline:
@@ -205,26 +254,50 @@ def show_cmd(recipe_id, as_json, overrides):
     click.echo(f"file: {r.source}")
     if r.notes:
         click.echo(f"notes: {r.notes}")
-    click.echo(f"\npaper: {r.gpus} GPUs = {r.nnodes()} node(s) x {min(r.gpus, r.gpus_per_node)}"
-               f"    proxy: world {cfgs['proxy'].parallelism.world_size}\n")
+    click.echo(
+        f"\npaper: {r.gpus} GPUs = {r.nnodes()} node(s) x {min(r.gpus, r.gpus_per_node)}"
+        f"    proxy: world {cfgs['proxy'].parallelism.world_size}\n"
+    )
     click.echo("configuration (keys that differ from the JobConfig defaults)")
-    click.echo(tabulate(rows, headers=["key", "paper (real, dry-run)", "proxy", "meaning"], disable_numparse=True,
-                        maxcolwidths=[None, None, None, 60]))
+    click.echo(
+        tabulate(
+            rows,
+            headers=["key", "paper (real, dry-run)", "proxy", "meaning"],
+            disable_numparse=True,
+            maxcolwidths=[None, None, None, 60],
+        )
+    )
     click.echo("\nreference figures")
-    click.echo(tabulate([[k, v] for k, v in r.reference.items()] or [["(none)", ""]],
-                        headers=["key", "value"], disable_numparse=True))
+    click.echo(
+        tabulate(
+            [[k, v] for k, v in r.reference.items()] or [["(none)", ""]],
+            headers=["key", "value"],
+            disable_numparse=True,
+        )
+    )
     click.echo("\nmodes")
     report = launcher.check_hardware(r, cfgs["real"]) if r.nnodes() == 1 else None
-    here = ("runs here" if report and report.ok else
-            f"not here: {'; '.join(report.missing)}" if report else
-            f"{r.nnodes()} nodes: prints the torchrun command, or --slurm writes an sbatch script")
-    click.echo(f"  real:    needs {', '.join(hard)}"
-               + (f"; advisory {', '.join(advisory)}" if advisory else "") + f"  [{here}]")
-    click.echo(f"  proxy:   needs {', '.join(r.requires.get('proxy', ['cpu']))}, world "
-               f"{cfgs['proxy'].parallelism.world_size} processes, offline assets "
-               f"(python -m core.data.assets --all)")
-    click.echo(f"  dry-run: needs core.dryrun  "
-               f"[{'available' if launcher.dry_run_available() else 'not available in this build'}]")
+    here = (
+        "runs here"
+        if report and report.ok
+        else f"not here: {'; '.join(report.missing)}"
+        if report
+        else f"{r.nnodes()} nodes: prints the torchrun command, or --slurm writes an sbatch script"
+    )
+    click.echo(
+        f"  real:    needs {', '.join(hard)}"
+        + (f"; advisory {', '.join(advisory)}" if advisory else "")
+        + f"  [{here}]"
+    )
+    click.echo(
+        f"  proxy:   needs {', '.join(r.requires.get('proxy', ['cpu']))}, world "
+        f"{cfgs['proxy'].parallelism.world_size} processes, offline assets "
+        f"(python -m core.data.assets --all)"
+    )
+    click.echo(
+        f"  dry-run: needs core.dryrun  "
+        f"[{'available' if launcher.dry_run_available() else 'not available in this build'}]"
+    )
 
 
 def _short(v) -> str:
@@ -237,24 +310,50 @@ def _short(v) -> str:
 @click.argument("ids", nargs=-1)
 @click.option("--table", type=click.Choice(TABLES), help="Run every row of a table (with any ids).")
 @click.option("--mode", type=click.Choice(MODES), default="proxy", show_default=True)
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override a config key (TOML literal), applied after the recipe; repeatable.")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Run directory (DIR/<id__> when several rows run). Default: "
-                   "runs/<id__>/<timestamp>. With --out the record stays in DIR only, unless "
-                   "--records-dir is given too.")
-@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
-              help="Where records are copied as <mode>/<id__>.json (default: results/records, "
-                   "or none with --out).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override a config key (TOML literal), applied after the recipe; repeatable.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (DIR/<id__> when several rows run). Default: "
+    "runs/<id__>/<timestamp>. With --out the record stays in DIR only, unless "
+    "--records-dir is given too.",
+)
+@click.option(
+    "--records-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where records are copied as <mode>/<id__>.json (default: results/records, or none with --out).",
+)
 @click.option("--slurm", is_flag=True, help="real mode: write an sbatch script to the run dir instead of running.")
-@click.option("--sbatch", "sbatch_opts", multiple=True, metavar="OPTION",
-              help="Extra #SBATCH option for --slurm, e.g. --sbatch partition=h100; repeatable.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="torchrun restarts the group this often after a rank dies; the run resumes "
-                   "from its latest complete checkpoint (set checkpoint.enabled=true).")
-@click.option("--gpu", default=None, metavar="NAME",
-              help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml; "
-                   "default: the paper's h100_96gb_hbm2e_500w).")
+@click.option(
+    "--sbatch",
+    "sbatch_opts",
+    multiple=True,
+    metavar="OPTION",
+    help="Extra #SBATCH option for --slurm, e.g. --sbatch partition=h100; repeatable.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="torchrun restarts the group this often after a rank dies; the run resumes "
+    "from its latest complete checkpoint (set checkpoint.enabled=true).",
+)
+@click.option(
+    "--gpu",
+    default=None,
+    metavar="NAME",
+    help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml; "
+    "default: the paper's h100_96gb_hbm2e_500w).",
+)
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
@@ -278,6 +377,7 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
     several = len(recipes) > 1
     if gpu is not None:
         from core.dryrun.gpuspec import SpecError, load_spec
+
         if mode != "dry-run":
             _fail("error: --gpu is for --mode dry-run", EXIT_CONFIG)
         try:
@@ -298,16 +398,21 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
         world = cfg.parallelism.world_size
         nnodes = r.nnodes(world)
         if mode == "real" and nnodes > 1 and world % r.gpus_per_node:
-            _fail(f"config error: {r.id}: parallelism: world size {world} spans {nnodes} nodes "
-                  f"but is not a multiple of {r.gpus_per_node} GPUs per node", EXIT_CONFIG)
+            _fail(
+                f"config error: {r.id}: parallelism: world size {world} spans {nnodes} nodes "
+                f"but is not a multiple of {r.gpus_per_node} GPUs per node",
+                EXIT_CONFIG,
+            )
         if mode == "real" and nnodes == 1 and not slurm:
             report = launcher.check_hardware(r, cfg)
             if not report.ok:
-                _fail(f"error: {r.id}: real mode cannot run on this machine:\n"
-                      + "".join(f"  - missing {m}\n" for m in report.missing)
-                      + "try --mode proxy (the same layout on CPU), --mode dry-run (true-scale "
-                        "memory estimate), or --slurm (an sbatch script for a GPU cluster)",
-                      EXIT_CANNOT)
+                _fail(
+                    f"error: {r.id}: real mode cannot run on this machine:\n"
+                    + "".join(f"  - missing {m}\n" for m in report.missing)
+                    + "try --mode proxy (the same layout on CPU), --mode dry-run (true-scale "
+                    "memory estimate), or --slurm (an sbatch script for a GPU cluster)",
+                    EXIT_CANNOT,
+                )
             for note in report.notes:
                 click.echo(f"note: {r.id}: {note}", err=True)
             try:
@@ -321,8 +426,7 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
             _own_run_dir(locks, r, cfg, run_dir)
         plans.append((r, cfg, world, nnodes, run_dir))
     if mode == "dry-run" and not launcher.dry_run_available():
-        _fail("error: dry-run is not available in this build (core.dryrun is missing); "
-              "use --mode proxy", EXIT_CANNOT)
+        _fail("error: dry-run is not available in this build (core.dryrun is missing); use --mode proxy", EXIT_CANNOT)
 
     # 2. run, print or write each
     failed = []
@@ -331,9 +435,11 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
             run_dir = launcher.make_run_dir(r, out, several)
             _own_run_dir(locks, r, cfg, run_dir)
         job = launcher.write_job(cfg, run_dir)
-        click.echo(f"== {r.id} · {mode} · world {world}"
-                   + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
-                   + f" · {run_dir}")
+        click.echo(
+            f"== {r.id} · {mode} · world {world}"
+            + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
+            + f" · {run_dir}"
+        )
         if mode == "dry-run":
             try:
                 launcher.run_dry(cfg, run_dir, gpu)
@@ -346,13 +452,13 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
             nproc = min(world, r.gpus_per_node)
             if slurm:
                 script = run_dir / "sbatch.sh"
-                script.write_text(launcher.sbatch_script(r, cfg, run_dir, nnodes, nproc, records,
-                                                         sbatch_opts))
+                script.write_text(launcher.sbatch_script(r, cfg, run_dir, nnodes, nproc, records, sbatch_opts))
                 script.chmod(0o755)
                 click.echo(f"sbatch script: {script}\nsubmit with: sbatch {script}")
             else:
-                click.echo(f"{r.id} needs {nnodes} nodes x {nproc} GPUs. On every node, with HOST the "
-                           "first node's address:\n")
+                click.echo(
+                    f"{r.id} needs {nnodes} nodes x {nproc} GPUs. On every node, with HOST the first node's address:\n"
+                )
                 click.echo("  " + launcher.multinode_command(nnodes, nproc, job, r.fname) + "\n")
                 click.echo("or let run-recipe write an sbatch script: add --slurm")
             continue
@@ -373,13 +479,16 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
 
 # ------------------------------------------------------------------------------ results
 @main.command("results")
-@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
-              help="Records to read (default: results/records).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Where the tables go (default: results/).")
+@click.option(
+    "--records-dir", type=click.Path(file_okay=False), default=None, help="Records to read (default: results/records)."
+)
+@click.option(
+    "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Where the tables go (default: results/)."
+)
 def results_cmd(records_dir, out_dir):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
     from recipes import results  # pandas + matplotlib: only for the command that writes tables
+
     records = Path(records_dir) if records_dir else launcher.default_records_dir()
     out = Path(out_dir) if out_dir else launcher.project_root() / "results"
     for path in results.write_results(records, out):

@@ -1,6 +1,7 @@
 """The figure of a paper table (results/<table>.png), from the dry-run records' predictions only:
 paper vs predicted TPS/GPU per row (left) and the predicted step breakdown per row, stacked
 (right), so a reader sees where each technique buys its time. Written by recipes/results.py."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,15 @@ import matplotlib.pyplot as plt  # after choosing the backend
 # per mesh dimension (`exposed_comm` of the record) between recompute and bubble.
 PARTS_BEFORE = (("compute", "compute"), ("memory_bound", "memory-bound"), ("recompute", "recompute"))
 PARTS_AFTER = (("bubble", "PP bubble"), ("optimizer", "optimizer"))
-COMM_NAMES = {"dp_shard": "FSDP", "dp_shard_cp": "FSDP (shard x CP)", "dp_replicate": "HSDP replicate",
-              "tp": "TP", "cp": "CP", "pp": "PP send/recv", "grad_norm": "grad-norm all-reduce"}
+COMM_NAMES = {
+    "dp_shard": "FSDP",
+    "dp_shard_cp": "FSDP (shard x CP)",
+    "dp_replicate": "HSDP replicate",
+    "tp": "TP",
+    "cp": "CP",
+    "pp": "PP send/recv",
+    "grad_norm": "grad-norm all-reduce",
+}
 # Parts smaller than this share of the longest step in every row are left out of the plot (a
 # sliver nobody can see only crowds the legend); the caption says so.
 MIN_SHARE = 0.002
@@ -70,8 +78,10 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
     # otherwise time per 1,000 tokens per GPU (the stack is then 1,000 / TPS exactly).
     work = [r["predicted"] * r["step_s"] for r in rows if r.get("predicted") and r.get("step_s")]
     same = bool(work) and max(work) <= 1.01 * min(work)
-    scale = [1.0 if same or not (r.get("predicted") and r.get("step_s"))
-             else 1000.0 / (r["predicted"] * r["step_s"]) for r in rows]
+    scale = [
+        1.0 if same or not (r.get("predicted") and r.get("step_s")) else 1000.0 / (r["predicted"] * r["step_s"])
+        for r in rows
+    ]
     longest = max((sum(p.values()) * s for p, s in zip(parts, scale)), default=0.0)
     longest = longest if math.isfinite(longest) and longest > 0 else 1.0
     order: list[str] = []
@@ -81,8 +91,7 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
 
     legend_in = 0.45 + 0.2 * math.ceil(len(shown) / 4)  # the legends' band under the axes, inches
     height = 1.9 + 0.55 * n + legend_in
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, height), sharey=True,
-                                     gridspec_kw={"width_ratios": [1, 1.25]})
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, height), sharey=True, gridspec_kw={"width_ratios": [1, 1.25]})
     y = list(range(n))
     h = 0.38
     paper = [r.get("paper") or 0.0 for r in rows]
@@ -111,16 +120,24 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
             ax_b.text(0.0, i, "  no prediction", va="center", fontsize=8, color="gray")
     ax_b.set_xlim(0, longest * 1.05)
     ax_b.set_xlabel("predicted step time, s" if same else "predicted time per 1,000 tokens per GPU, s")
-    ax_b.set_title(f"where the predicted step goes (parts under {MIN_SHARE:.1%} of the longest left out)",
-                   fontsize=10)
-    note = "† calibration row: a constant of the GPU spec was fitted on it" if any(
-        r.get("calibration") for r in rows) else "no calibration row in this table: every bar is a prediction"
+    ax_b.set_title(f"where the predicted step goes (parts under {MIN_SHARE:.1%} of the longest left out)", fontsize=10)
+    note = (
+        "† calibration row: a constant of the GPU spec was fitted on it"
+        if any(r.get("calibration") for r in rows)
+        else "no calibration row in this table: every bar is a prediction"
+    )
     fig.suptitle(f"{title}\n{note}", fontsize=11)
     fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     for ax, ncol in ((ax_t, 2), (ax_b, 4)):  # each legend centred under its axes, in the band
         box = ax.get_position()
-        ax.legend(loc="upper center", bbox_to_anchor=(box.x0 + box.width / 2, (legend_in - 0.1) / height),
-                  bbox_transform=fig.transFigure, ncol=ncol, fontsize=8, frameon=False)
+        ax.legend(
+            loc="upper center",
+            bbox_to_anchor=(box.x0 + box.width / 2, (legend_in - 0.1) / height),
+            bbox_transform=fig.transFigure,
+            ncol=ncol,
+            fontsize=8,
+            frameon=False,
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.png")  # renamed, so a reader never sees half a file
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
@@ -136,7 +153,14 @@ def figure_rows(df, records: dict) -> list[dict]:
     for _, row in df.iterrows():
         pred = (records.get((row["recipe"], "dry-run")) or {}).get("predicted") or {}
         paper, tps = row.get("paper TPS/GPU"), row["predicted TPS/GPU"]
-        out.append({"label": row["row"], "paper": None if pd.isna(paper) else float(paper),
-                    "predicted": None if pd.isna(tps) else float(tps), "breakdown": pred.get("breakdown"),
-                    "step_s": pred.get("step_time_s"), "calibration": isinstance(row["calibrated on"], str)})
+        out.append(
+            {
+                "label": row["row"],
+                "paper": None if pd.isna(paper) else float(paper),
+                "predicted": None if pd.isna(tps) else float(tps),
+                "breakdown": pred.get("breakdown"),
+                "step_s": pred.get("step_time_s"),
+                "calibration": isinstance(row["calibrated on"], str),
+            }
+        )
     return out

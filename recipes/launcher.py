@@ -4,6 +4,7 @@ with torchrun (one node), print the multi-node torchrun command, or write an sba
 Nothing here trains: every run is `python -m torch.distributed.run ... -m core.train --config
 <run_dir>/job.json`, and the trainer writes `<run_dir>/result.json` (the record).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -73,8 +74,9 @@ def _resolve_paths(cfg: JobConfig) -> None:
             setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
 
 
-def resolve_config(recipe: Recipe, mode: str, overrides: list[str] | tuple[str, ...] = (),
-                   check_files: bool = False) -> JobConfig:
+def resolve_config(
+    recipe: Recipe, mode: str, overrides: list[str] | tuple[str, ...] = (), check_files: bool = False
+) -> JobConfig:
     """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key)."""
     cfg = recipe.job_config(mode)
     for text in overrides:
@@ -119,14 +121,16 @@ def real_requirements(recipe: Recipe, cfg: JobConfig) -> tuple[list[str], list[s
 def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
     """Can this node run cfg for real, single-node? Lists what is missing, never guesses."""
     import torch  # here, not at the top: `run-recipe list` and `show` must not pay torch's import
+
     hard, advisory = real_requirements(recipe, cfg)
     world = cfg.parallelism.world_size
     missing: list[str] = []
     notes: list[str] = []
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        missing.append(f"CUDA: not available (torch {torch.__version__} is {build}; no GPU visible); "
-                       f"needs {world} GPUs")
+        missing.append(
+            f"CUDA: not available (torch {torch.__version__} is {build}; no GPU visible); needs {world} GPUs"
+        )
         caps = []
     else:
         n = torch.cuda.device_count()
@@ -167,10 +171,16 @@ def torchrun_exe() -> str:
     return str(exe) if exe.is_file() else "torchrun"
 
 
-def torchrun_command(nproc: int, target: list[str] | tuple[str, ...], nnodes: int = 1,
-                     rdzv_id: str | None = None, rdzv_endpoint: str | None = None,
-                     max_restarts: int = 0, exe: str | None = None,
-                     launcher_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    target: list[str] | tuple[str, ...],
+    nnodes: int = 1,
+    rdzv_id: str | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    exe: str | None = None,
+    launcher_args: list[str] | tuple[str, ...] = (),
+) -> list[str]:
     """The one place a torchrun command is built. `target`: what each rank runs, e.g.
     `["-m", "core.train", "--config", path]` or a script and its arguments. One node without a
     rendezvous endpoint: `--standalone`; else a c10d rendezvous at `rdzv_endpoint`. `exe`: a
@@ -199,26 +209,48 @@ def local_command(world: int, config_path: Path, max_restarts: int = 0) -> list[
     return torchrun_command(world, trainer_target(config_path), max_restarts=max_restarts)
 
 
-def multinode_command(nnodes: int, nproc: int, config_path: Path, rdzv_id: str,
-                      endpoint: str = f"$HOST:{RDZV_PORT}") -> str:
+def multinode_command(
+    nnodes: int, nproc: int, config_path: Path, rdzv_id: str, endpoint: str = f"$HOST:{RDZV_PORT}"
+) -> str:
     """The command to run on every node; HOST is the first node's address."""
-    cmd = torchrun_command(nproc, trainer_target(shlex.quote(str(config_path))), nnodes=nnodes,
-                           rdzv_id=rdzv_id, rdzv_endpoint=endpoint, exe="torchrun")
+    cmd = torchrun_command(
+        nproc,
+        trainer_target(shlex.quote(str(config_path))),
+        nnodes=nnodes,
+        rdzv_id=rdzv_id,
+        rdzv_endpoint=endpoint,
+        exe="torchrun",
+    )
     return " ".join(cmd)
 
 
-def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, nproc: int,
-                  records_dir: Path | None, extra: list[str] | tuple[str, ...] = ()) -> str:
+def sbatch_script(
+    recipe: Recipe,
+    cfg: JobConfig,
+    run_dir: Path,
+    nnodes: int,
+    nproc: int,
+    records_dir: Path | None,
+    extra: list[str] | tuple[str, ...] = (),
+) -> str:
     q = shlex.quote
-    cmd = torchrun_command(nproc, trainer_target(q(str(run_dir / "job.json"))), nnodes=nnodes,
-                           rdzv_id='"$SLURM_JOB_ID"', rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
-                           exe=q(torchrun_exe()), launcher_args=["$numa_flag"])
+    cmd = torchrun_command(
+        nproc,
+        trainer_target(q(str(run_dir / "job.json"))),
+        nnodes=nnodes,
+        rdzv_id='"$SLURM_JOB_ID"',
+        rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
+        exe=q(torchrun_exe()),
+        launcher_args=["$numa_flag"],
+    )
     # one shell line per group: executable | nodes, ranks, CPU binding | rendezvous | what each rank runs
     exe, dims, rdzv, target = cmd[:1], cmd[1:4], cmd[4:7], cmd[7:]
     lines = [
         "#!/bin/bash",
-        (f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
-        f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node."),
+        (
+            f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
+            f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node."
+        ),
         f"#SBATCH --job-name={recipe.fname}",
         f"#SBATCH --nodes={nnodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -234,16 +266,17 @@ def sbatch_script(recipe: Recipe, cfg: JobConfig, run_dir: Path, nnodes: int, np
         *sbatch_env_lines(nproc),
         # one task per node runs torchrun and its ranks: give it every core of the node (srun does
         # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument
-        (f"srun --nodes={nnodes} --ntasks-per-node=1 --cpus-per-task=\"$cpus_per_node\" --cpu-bind=none "
-         f"{' '.join(exe)} \\"),
+        (
+            f'srun --nodes={nnodes} --ntasks-per-node=1 --cpus-per-task="$cpus_per_node" --cpu-bind=none '
+            f"{' '.join(exe)} \\"
+        ),
         f"    {' '.join(dims)} \\",
         f"    {' '.join(rdzv)} \\",
         f"    {' '.join(target)}",
     ]
     if records_dir is not None:
         dest = records_dir / "real" / f"{recipe.fname}.json"
-        lines += [f"mkdir -p {q(str(dest.parent))}",
-                  f"cp {q(str(run_dir / 'result.json'))} {q(str(dest))}"]
+        lines += [f"mkdir -p {q(str(dest.parent))}", f"cp {q(str(run_dir / 'result.json'))} {q(str(dest))}"]
     return "\n".join(lines) + "\n"
 
 
@@ -314,8 +347,11 @@ def run_dir_lock(run_dir: Path):
     second run is refused naming the holder; a lock of a dead process on this host is stale:
     reported and taken over. Released (removed) when the block ends."""
     lock = Path(run_dir) / LOCK
-    me = {"host": socket.gethostname(), "pid": os.getpid(),
-          "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -324,18 +360,29 @@ def run_dir_lock(run_dir: Path):
                 holder = json.loads(lock.read_text())
             except (OSError, json.JSONDecodeError):
                 holder = {}
-            if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
-                    and not _pid_alive(holder["pid"]):
-                print(f"note: {lock}: stale lock of pid {holder['pid']} on {holder['host']} (started "
-                      f"{holder.get('started', '?')}, no longer running): taken over", file=sys.stderr)
+            if (
+                holder.get("host") == me["host"]
+                and isinstance(holder.get("pid"), int)
+                and not _pid_alive(holder["pid"])
+            ):
+                print(
+                    f"note: {lock}: stale lock of pid {holder['pid']} on {holder['host']} (started "
+                    f"{holder.get('started', '?')}, no longer running): taken over",
+                    file=sys.stderr,
+                )
                 lock.unlink(missing_ok=True)
                 continue
-            who = (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}"
-                   if holder else "an unreadable lock")
-            hint = "" if holder.get("host") == me["host"] else \
-                " (another host: if that run is dead, remove the lock file)"
-            raise RunDirBusy(f"{run_dir}: in use by another run ({who}; lock file {lock}){hint}; "
-                             "use another --out") from None
+            who = (
+                f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}"
+                if holder
+                else "an unreadable lock"
+            )
+            hint = (
+                "" if holder.get("host") == me["host"] else " (another host: if that run is dead, remove the lock file)"
+            )
+            raise RunDirBusy(
+                f"{run_dir}: in use by another run ({who}; lock file {lock}){hint}; use another --out"
+            ) from None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         break
@@ -356,8 +403,9 @@ def checkpoint_steps(cfg: JobConfig, run_dir: Path) -> list[int]:
     folder = Path(run_dir) / cfg.checkpoint.folder
     if not cfg.checkpoint.enabled or not folder.is_dir():
         return []
-    return sorted(int(p.name[5:]) for p in folder.glob("step-*")
-                  if p.name[5:].isdigit() and (p / ".metadata").is_file())
+    return sorted(
+        int(p.name[5:]) for p in folder.glob("step-*") if p.name[5:].isdigit() and (p / ".metadata").is_file()
+    )
 
 
 def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
@@ -382,8 +430,10 @@ def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
     if not steps and cfg.checkpoint.enabled and cfg.checkpoint.resume_from:
         at, where = _resume_from_step(cfg) or (0, where)
     if at and at >= cfg.training.steps:
-        raise ConfigError(f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
-                          f"from ({where}); set training.steps > {at}")
+        raise ConfigError(
+            f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
+            f"from ({where}); set training.steps > {at}"
+        )
 
 
 # ------------------------------------------------------------------------------ launching
@@ -412,16 +462,23 @@ def inductor_cache_dir() -> str:
     return str(project_root() / ".cache" / "inductor")
 
 
-def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, echo: bool = False,
-               timeout: float | None = None, cwd: Path | None = None) -> int:
+def run_logged(
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    echo: bool = False,
+    timeout: float | None = None,
+    cwd: Path | None = None,
+) -> int:
     """Run cmd with its merged output in log_path, echoed as it comes when `echo`. Returns the
     exit code (-1 after `timeout` seconds: the process is killed)."""
     if echo:
         return stream(cmd, env, log_path)
     with open(log_path, "wb") as f:
         try:
-            return subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                  timeout=timeout).returncode
+            return subprocess.run(
+                cmd, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             return -1
 
@@ -463,21 +520,28 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
     from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
+
     cfg.job.output_dir = str(run_dir)
     record = dict(dry_run(cfg, gpu=gpu) if gpu else dry_run(cfg))
     record.setdefault("recipe", cfg.job.recipe)
     record.setdefault("mode", "dry-run")
     record.setdefault("config", cfg.to_dict())
-    record.setdefault("finished_at",
-                      datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    record.setdefault("finished_at", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     tmp = run_dir / f".result.json.{os.getpid()}.tmp"  # a reader sees no half-written record
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, run_dir / "result.json")
     return record
 
 
-def launch_trainer(world: int, overrides: list[str], out_dir: str | Path, config: str | Path | None = None,
-                   mode: str = "proxy", echo: bool = False, max_restarts: int = 0) -> dict:
+def launch_trainer(
+    world: int,
+    overrides: list[str],
+    out_dir: str | Path,
+    config: str | Path | None = None,
+    mode: str = "proxy",
+    echo: bool = False,
+    max_restarts: int = 0,
+) -> dict:
     """Programmatic launch (studies, tests): torchrun `world` CPU ranks of core.train with
     `--section.key=value` overrides, output in out_dir; returns the record (result.json).
     Raises RuntimeError with the log's tail when the run fails."""

@@ -10,6 +10,7 @@ Read by `recipes/results.py` (`run-recipe results`) and by `run-recipe convergen
 and `check` compares each N-D curve with the 1D curve directly (never chained): the mean
 |difference| of the EMA-smoothed curves over the trailing window must stay within TOLERANCE.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,11 +35,21 @@ TRAILING_FRACTION = 0.2
 # number: results/loss_convergence.md shows the measured spread it is set against.
 TOLERANCE = 0.05
 # Config keys that must agree between a row and the 1D control for their curves to be comparable.
-SAME_KEYS = (("model", "flavor"), ("training", "seq_len"), ("training", "local_batch_size"),
-             ("training", "steps"), ("training", "mixed_precision_param"),
-             ("training", "mixed_precision_reduce"), ("optimizer", "lr"),
-             ("lr_scheduler", "warmup_steps"), ("lr_scheduler", "decay_type"), ("job", "seed"),
-             ("data", "dataset"), ("parallelism", "dp_shard"), ("parallelism", "dp_replicate"))
+SAME_KEYS = (
+    ("model", "flavor"),
+    ("training", "seq_len"),
+    ("training", "local_batch_size"),
+    ("training", "steps"),
+    ("training", "mixed_precision_param"),
+    ("training", "mixed_precision_reduce"),
+    ("optimizer", "lr"),
+    ("lr_scheduler", "warmup_steps"),
+    ("lr_scheduler", "decay_type"),
+    ("job", "seed"),
+    ("data", "dataset"),
+    ("parallelism", "dp_shard"),
+    ("parallelism", "dp_replicate"),
+)
 
 
 def rows() -> list[Recipe]:
@@ -70,8 +81,11 @@ def layout_label(cfg: dict | None, fallback: str = "?", skipped: dict | None = N
         return fallback
     skipped = skipped or {}
     p = cfg["parallelism"]
-    dims = [(name, p[key]) for name, key in (("HSDP", "dp_replicate"), ("FSDP", "dp_shard"),
-                                               ("TP", "tp"), ("PP", "pp"), ("CP", "cp")) if p[key] > 1]
+    dims = [
+        (name, p[key])
+        for name, key in (("HSDP", "dp_replicate"), ("FSDP", "dp_shard"), ("TP", "tp"), ("PP", "pp"), ("CP", "cp"))
+        if p[key] > 1
+    ]
     extras = []
     if p["pp"] > 1:
         extras.append(p["pp_schedule"])
@@ -85,8 +99,6 @@ def layout_label(cfg: dict | None, fallback: str = "?", skipped: dict | None = N
     return text + (f" ({', '.join(extras)})" if extras else "")
 
 
-
-
 # ----------------------------------------------------------------------------------- analysis
 def curves(records: dict[str, dict]) -> pd.DataFrame:
     """{recipe id: record} -> DataFrame indexed by step (1..), one loss column per row, in
@@ -97,8 +109,8 @@ def curves(records: dict[str, dict]) -> pd.DataFrame:
         if rec and rec.get("losses"):
             start = int(rec.get("start_step") or 0)
             cols[column(r.id)] = pd.Series(
-                [float(x) for x in rec["losses"]],
-                index=range(start + 1, start + 1 + len(rec["losses"])), dtype=float)
+                [float(x) for x in rec["losses"]], index=range(start + 1, start + 1 + len(rec["losses"])), dtype=float
+            )
     df = pd.DataFrame(cols)
     df.index.name = "step"
     return df
@@ -137,8 +149,12 @@ def check(records: dict[str, dict], tolerance: float = TOLERANCE) -> list[dict]:
         if r.id == base_id:
             continue
         rec = records.get(r.id)
-        res: dict[str, Any] = {"recipe": r.id, "column": column(r.id), "tolerance": tolerance,
-                               "layout": record_label(rec, column(r.id)) if rec else None}
+        res: dict[str, Any] = {
+            "recipe": r.id,
+            "column": column(r.id),
+            "tolerance": tolerance,
+            "layout": record_label(rec, column(r.id)) if rec else None,
+        }
         if rec is None or base is None:
             res.update(status="no record" if rec is None else "no control record", passed=None)
             out.append(res)
@@ -154,13 +170,15 @@ def check(records: dict[str, dict], tolerance: float = TOLERANCE) -> list[dict]:
         raw = (df[res["column"]] - df[column(base_id)]).abs()
         trail = (a - b).abs().iloc[-window:]
         res.update(
-            steps=steps, window=window,
+            steps=steps,
+            window=window,
             mean_abs_diff_smoothed=float(trail.mean()),
             max_abs_diff_smoothed=float(trail.max()),
             mean_abs_diff_raw_trailing=float(raw.iloc[-window:].mean()),
             max_abs_diff_raw=float(raw.max()),
             first_step_diff=float(raw.iloc[0]),
-            final_loss=float(a.iloc[-1]), control_final_loss=float(b.iloc[-1]),
+            final_loss=float(a.iloc[-1]),
+            control_final_loss=float(b.iloc[-1]),
         )
         res["passed"] = res["mean_abs_diff_smoothed"] <= tolerance
         res["status"] = "pass" if res["passed"] else "FAIL"
@@ -177,8 +195,11 @@ def spread(records: dict[str, dict]) -> dict[str, float]:
         return {}
     window = max(1, round(len(df) * TRAILING_FRACTION))
     raw, sm = df[name].iloc[-window:], smooth(df)[name].iloc[-window:]
-    return {"window": window, "noise_std": float((raw - sm).std()) if window > 1 else float("nan"),
-            "smoothed_drop": float(sm.iloc[0] - sm.iloc[-1])}
+    return {
+        "window": window,
+        "noise_std": float((raw - sm).std()) if window > 1 else float("nan"),
+        "smoothed_drop": float(sm.iloc[0] - sm.iloc[-1]),
+    }
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -196,8 +217,7 @@ def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
         if res is None:
             label += "  — control"
         elif res.get("mean_abs_diff_smoothed") is not None:
-            label += (f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} "
-                      f"{'≤' if res['passed'] else '>'} {res['tolerance']:g}")
+            label += f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} {'≤' if res['passed'] else '>'} {res['tolerance']:g}"
         else:
             label += f"  — {res['status']}"
         c = colors[i % len(colors)]
@@ -210,12 +230,14 @@ def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
     base = records.get(control().id) or next(iter(records.values()), {})
     cfg = base.get("config", {})
     t = cfg.get("training", {})
-    ax.set_title("Loss convergence (CPU proxy): each layout vs 1D FSDP\n"
-                 f"{cfg.get('model', {}).get('flavor', '?')}, seq {t.get('seq_len', '?')}, "
-                 f"global batch {t.get('local_batch_size', 0) * cfg.get('parallelism', {}).get('dp_shard', 0)}, "
-                 f"{t.get('mixed_precision_param', '?')} params + {t.get('mixed_precision_reduce', '?')} reduce; "
-                 f"EMA span {SMOOTH_SPAN}, tolerance on the last {int(TRAILING_FRACTION * 100)}% of steps",
-                 fontsize=9)
+    ax.set_title(
+        "Loss convergence (CPU proxy): each layout vs 1D FSDP\n"
+        f"{cfg.get('model', {}).get('flavor', '?')}, seq {t.get('seq_len', '?')}, "
+        f"global batch {t.get('local_batch_size', 0) * cfg.get('parallelism', {}).get('dp_shard', 0)}, "
+        f"{t.get('mixed_precision_param', '?')} params + {t.get('mixed_precision_reduce', '?')} reduce; "
+        f"EMA span {SMOOTH_SPAN}, tolerance on the last {int(TRAILING_FRACTION * 100)}% of steps",
+        fontsize=9,
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
     ax.grid(alpha=0.3)
@@ -237,6 +259,7 @@ class _Cfg:
         class _S(dict):
             def __missing__(self, key):
                 return "?"
+
         return _S(self.cfg.get(section) or {})
 
 
@@ -255,53 +278,70 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
     t = cfg.training
     v = base.get("versions") or {}
     lines += [
-        (f"Each N-D curve is compared with the 1D control (`{control().id}`) directly. Checked "
-        f"figure: mean |smoothed N-D − smoothed 1D| over the last {int(TRAILING_FRACTION * 100)}% of "
-        f"the steps (EMA span {SMOOTH_SPAN}); **tolerance {TOLERANCE:g} nats**."),
+        (
+            f"Each N-D curve is compared with the 1D control (`{control().id}`) directly. Checked "
+            f"figure: mean |smoothed N-D − smoothed 1D| over the last {int(TRAILING_FRACTION * 100)}% of "
+            f"the steps (EMA span {SMOOTH_SPAN}); **tolerance {TOLERANCE:g} nats**."
+        ),
         "",
-        (f"Runs: {cfg.model['flavor']}, seq {t['seq_len']}, FSDP "
-        f"{cfg.parallelism['dp_shard']} x local batch {t['local_batch_size']} in every "
-        f"layout (the same global batch and token order), {t['mixed_precision_param']} params + "
-        f"{t['mixed_precision_reduce']} reduce, {len(base['losses'])} steps, warmup "
-        f"{cfg.lr_scheduler['warmup_steps']}, lr {cfg.optimizer['lr']}. "
-        f"Hardware: {(base.get('hardware') or {}).get('device', '?')}; torch {v.get('torch', '?')}, "
-        f"torchao {v.get('torchao', '?')}, git {v.get('git', '?') or '?'}."),
+        (
+            f"Runs: {cfg.model['flavor']}, seq {t['seq_len']}, FSDP "
+            f"{cfg.parallelism['dp_shard']} x local batch {t['local_batch_size']} in every "
+            f"layout (the same global batch and token order), {t['mixed_precision_param']} params + "
+            f"{t['mixed_precision_reduce']} reduce, {len(base['losses'])} steps, warmup "
+            f"{cfg.lr_scheduler['warmup_steps']}, lr {cfg.optimizer['lr']}. "
+            f"Hardware: {(base.get('hardware') or {}).get('device', '?')}; torch {v.get('torch', '?')}, "
+            f"torchao {v.get('torchao', '?')}, git {v.get('git', '?') or '?'}."
+        ),
         "",
     ]
     if sp:
-        lines += [(f"Why {TOLERANCE:g}: over the same window the control's raw loss scatters around its "
-                  f"smoothed curve with std {sp['noise_std']:.3f} nats (batch-to-batch noise), and "
-                  f"the smoothed curve still falls {sp['smoothed_drop']:.3f} nats. Bf16 rounding and "
-                  "Float8 (e4m3, 3 mantissa bits) make the N-D trajectories drift apart step by step "
-                  "(see the raw columns); a layout bug (a wrong gradient reduction, a missing "
-                  "microbatch, an unmasked CP shard) shows as a persistent offset of that order or "
-                  "larger, which the smoothed comparison exposes."), ""]
-    table = [{"layout (proxy)": record_label(base, column(control().id)),
-              "recipe": control().id,
-              "status": "control"}]
+        lines += [
+            (
+                f"Why {TOLERANCE:g}: over the same window the control's raw loss scatters around its "
+                f"smoothed curve with std {sp['noise_std']:.3f} nats (batch-to-batch noise), and "
+                f"the smoothed curve still falls {sp['smoothed_drop']:.3f} nats. Bf16 rounding and "
+                "Float8 (e4m3, 3 mantissa bits) make the N-D trajectories drift apart step by step "
+                "(see the raw columns); a layout bug (a wrong gradient reduction, a missing "
+                "microbatch, an unmasked CP shard) shows as a persistent offset of that order or "
+                "larger, which the smoothed comparison exposes."
+            ),
+            "",
+        ]
+    table = [{"layout (proxy)": record_label(base, column(control().id)), "recipe": control().id, "status": "control"}]
     for res in results:
-        row = {"layout (proxy)": res.get("layout") or res["column"], "recipe": res["recipe"],
-               "status": res["status"],
-               "mean |Δ| smoothed, trailing": _fmt(res.get("mean_abs_diff_smoothed")),
-               "max |Δ| smoothed, trailing": _fmt(res.get("max_abs_diff_smoothed")),
-               "mean |Δ| raw, trailing": _fmt(res.get("mean_abs_diff_raw_trailing")),
-               "max |Δ| raw, any step": _fmt(res.get("max_abs_diff_raw")),
-               "|Δ| at step 1": _fmt(res.get("first_step_diff"), ".2e"),
-               "final smoothed loss (control)": (f"{_fmt(res.get('final_loss'))} "
-                                                 f"({_fmt(res.get('control_final_loss'))})"
-                                                 if res.get("final_loss") is not None else "")}
+        row = {
+            "layout (proxy)": res.get("layout") or res["column"],
+            "recipe": res["recipe"],
+            "status": res["status"],
+            "mean |Δ| smoothed, trailing": _fmt(res.get("mean_abs_diff_smoothed")),
+            "max |Δ| smoothed, trailing": _fmt(res.get("max_abs_diff_smoothed")),
+            "mean |Δ| raw, trailing": _fmt(res.get("mean_abs_diff_raw_trailing")),
+            "max |Δ| raw, any step": _fmt(res.get("max_abs_diff_raw")),
+            "|Δ| at step 1": _fmt(res.get("first_step_diff"), ".2e"),
+            "final smoothed loss (control)": (
+                f"{_fmt(res.get('final_loss'))} ({_fmt(res.get('control_final_loss'))})"
+                if res.get("final_loss") is not None
+                else ""
+            ),
+        }
         table.append(row)
     for row in table:
         rec = records.get(row["recipe"])
-        row["toggles skipped"] = "; ".join(
-            f"{k}: {v}" for k, v in ((rec or {}).get("toggles_skipped") or {}).items())
+        row["toggles skipped"] = "; ".join(f"{k}: {v}" for k, v in ((rec or {}).get("toggles_skipped") or {}).items())
         row["train loop s"] = _fmt((walls or {}).get(row["recipe"]), ".0f")
     lines.append(pd.DataFrame(table).fillna("").to_markdown(index=False, disable_numparse=True))
     passed = [r for r in results if r.get("passed")]
-    lines += ["", (f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
-              "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
-              "[loss_convergence.csv](loss_convergence.csv), golden: "
-              "[golden/loss_convergence.json](golden/loss_convergence.json)."), ""]
+    lines += [
+        "",
+        (
+            f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
+            "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
+            "[loss_convergence.csv](loss_convergence.csv), golden: "
+            "[golden/loss_convergence.json](golden/loss_convergence.json)."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ and order what does not fit. `candidates(..., by_speed=False)` keeps the rules-o
 --gpu-mem, then fewest rule violations, then fewest dimensions besides FSDP (TP before PP before
 CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroom.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,13 +64,22 @@ class Candidate:
         d = self.degrees
         extra = [d["tp"] > 1, d["pp"] > 1, d["cp"] > 1]
         ac_rank = ["none", "selective", "full"].index(self.ac)
-        return (not self.fits, len(self.violations), sum(extra), extra[2], extra[1], ac_rank, d["pp"],
-                d["cp"], -d["tp"], self.estimate_gib)
+        return (
+            not self.fits,
+            len(self.violations),
+            sum(extra),
+            extra[2],
+            extra[1],
+            ac_rank,
+            d["pp"],
+            d["cp"],
+            -d["tp"],
+            self.estimate_gib,
+        )
 
     def layout(self) -> str:
         names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
-        parts = [f"{names[k]} {self.degrees[k]}" for k in ("dp_shard", "tp", "pp", "cp")
-                 if self.degrees[k] > 1]
+        parts = [f"{names[k]} {self.degrees[k]}" for k in ("dp_shard", "tp", "pp", "cp") if self.degrees[k] > 1]
         return " x ".join(parts) or "1 GPU"
 
 
@@ -80,6 +90,7 @@ def _divisors(n: int) -> list[int]:
 def base_config(model: str, seq: int, local_batch: int):
     """The paper's shared setup (bf16 params, fp32 reduce, AdamW) for a model and sequence."""
     from core.config import JobConfig
+
     cfg = JobConfig()
     cfg.model.flavor = model
     cfg.training.seq_len = seq
@@ -91,9 +102,19 @@ def base_config(model: str, seq: int, local_batch: int):
     return cfg
 
 
-def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int | None = None,
-               gpus_per_node: int = 8, compile_: bool = True, float8: bool = False,
-               global_batch: int | None = None, by_speed: bool = False, gpu: str | None = None) -> list[Candidate]:
+def candidates(
+    model: str,
+    gpus: int,
+    seq: int,
+    gpu_mem: float,
+    local_batch: int | None = None,
+    gpus_per_node: int = 8,
+    compile_: bool = True,
+    float8: bool = False,
+    global_batch: int | None = None,
+    by_speed: bool = False,
+    gpu: str | None = None,
+) -> list[Candidate]:
     """Every valid (dp_shard, tp, pp, cp) layout of `gpus` GPUs with the cheapest AC that fits
     (or full AC when none does), ranked (best first). The batch: `local_batch` sequences per
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
@@ -137,9 +158,18 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
                     est = estimate_memory(cfg, gpu_gib=gpu_mem)
                     # Uncapped: a plan needs the allocator's usual slack, not its retry path.
                     need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
-                    cand = Candidate({"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp}, mode, lb,
-                                     p.pp_microbatches or 1, need, need <= gpu_mem, [], est["peak_at"],
-                                     est["breakdown"], cfg)
+                    cand = Candidate(
+                        {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp},
+                        mode,
+                        lb,
+                        p.pp_microbatches or 1,
+                        need,
+                        need <= gpu_mem,
+                        [],
+                        est["peak_at"],
+                        est["breakdown"],
+                        cfg,
+                    )
                     cand.memory = est
                     best = cand
                     if cand.fits:
@@ -153,14 +183,18 @@ def candidates(model: str, gpus: int, seq: int, gpu_mem: float, local_batch: int
         return ranked
     from core.dryrun.gpuspec import DEFAULT_GPU
     from core.dryrun.runtime import predict
+
     for c in ranked:
         c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
     # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
     ranked = sorted(ranked, key=lambda c: (not c.fits, bool(c.violations), -c.tps if c.fits else 0.0))
     # Predictions closer than the model's own error to the fastest are a tie: the rules order those.
     top = ranked[0]
-    ties = [c for c in ranked if c.fits == top.fits and bool(c.violations) == bool(top.violations)
-            and c.tps >= top.tps * (1 - SPEED_TIE)]
+    ties = [
+        c
+        for c in ranked
+        if c.fits == top.fits and bool(c.violations) == bool(top.violations) and c.tps >= top.tps * (1 - SPEED_TIE)
+    ]
     ties.sort(key=Candidate.key)
     return ties + [c for c in ranked if c not in ties]
 
@@ -169,8 +203,9 @@ def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
     d, v = c.degrees, []
     fsdp_group = d["dp_shard"] * d["cp"]
     if fsdp_group > FSDP_MAX_GROUP:
-        v.append(f"FSDP group of {fsdp_group} ranks > {FSDP_MAX_GROUP}: latency-bound collectives, "
-                 "add TP within the node")
+        v.append(
+            f"FSDP group of {fsdp_group} ranks > {FSDP_MAX_GROUP}: latency-bound collectives, add TP within the node"
+        )
     if d["cp"] > 1 and seq < LONG_CONTEXT:
         v.append(f"CP at {seq} tokens: context parallel is for long sequences (>= {LONG_CONTEXT})")
     if d["tp"] > 1 and d["tp"] * d["cp"] > gpus_per_node:
@@ -181,6 +216,7 @@ def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
 def paper_layouts(model: str, gpus: int, seq: int) -> list:
     """The paper's rows with this model, GPU count and sequence length."""
     from recipes import registry
+
     rows = []
     for r in registry.all_recipes():
         if r.gpus != gpus:
@@ -195,22 +231,33 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 @click.option("--model", type=click.Choice(["8B", "70B", "405B"]), required=True)
 @click.option("--gpus", type=int, required=True, help="World size.")
 @click.option("--seq", type=int, default=8192, show_default=True, help="Sequence length.")
-@click.option("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the --gpu spec's capacity, "
-              "80 without --gpu).")
-@click.option("--gpu", default=None, metavar="NAME",
-              help="GPU spec of the speed prediction (core/dryrun/hardware/NAME.toml; default: the paper's).")
+@click.option(
+    "--gpu-mem", type=float, default=None, help="GiB per GPU (default: the --gpu spec's capacity, 80 without --gpu)."
+)
+@click.option(
+    "--gpu",
+    default=None,
+    metavar="NAME",
+    help="GPU spec of the speed prediction (core/dryrun/hardware/NAME.toml; default: the paper's).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked list as JSON.")
-@click.option("--local-batch", type=int, default=None,
-              help="Sequences per data-parallel rank (default: 1, or one per stage with PP).")
-@click.option("--global-batch", type=int, default=None,
-              help="Sequences per step, split over the data-parallel ranks of each layout "
-                   "(instead of --local-batch).")
+@click.option(
+    "--local-batch",
+    type=int,
+    default=None,
+    help="Sequences per data-parallel rank (default: 1, or one per stage with PP).",
+)
+@click.option(
+    "--global-batch",
+    type=int,
+    default=None,
+    help="Sequences per step, split over the data-parallel ranks of each layout (instead of --local-batch).",
+)
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--top", type=int, default=10, show_default=True, help="Candidates to print.")
 @click.option("--no-compile", is_flag=True, help="Estimate eager memory (default: per-block compile).")
 @click.option("--float8", is_flag=True, help="Float8 linears with float8 FSDP all-gather.")
-def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile,
-         float8):
+def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
     estimate) ranked by predicted tokens/s per GPU (dry-run performance model)."""
     import json
@@ -218,6 +265,7 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
     from tabulate import tabulate
 
     from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
+
     try:
         spec = load_spec(gpu or DEFAULT_GPU)
     except SpecError as e:
@@ -228,32 +276,87 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
         raise click.BadParameter("--gpus, --seq, --gpu-mem and the batch sizes must be positive")
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
-    ranked = candidates(model, gpus, seq, gpu_mem, local_batch, gpus_per_node, not no_compile, float8,
-                        global_batch, by_speed=True, gpu=spec.name)
+    ranked = candidates(
+        model,
+        gpus,
+        seq,
+        gpu_mem,
+        local_batch,
+        gpus_per_node,
+        not no_compile,
+        float8,
+        global_batch,
+        by_speed=True,
+        gpu=spec.name,
+    )
     if not ranked:
         raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
     if as_json:
-        click.echo(json.dumps([{"rank": i, "layout": c.layout(), "degrees": c.degrees, "ac": c.ac,
-                                "local_batch": c.local_batch, "estimate_gib": round(c.estimate_gib, 2),
-                                "fits": c.fits, "violations": c.violations, "gpu": spec.name,
-                                "tokens_per_sec_per_gpu": round(c.tps, 1),
-                                "step_time_s": round(c.predicted["step_time_s"], 4),
-                                "mfu": round(c.predicted["mfu"], 4)}
-                               for i, c in enumerate(ranked, 1)], indent=2))
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "rank": i,
+                        "layout": c.layout(),
+                        "degrees": c.degrees,
+                        "ac": c.ac,
+                        "local_batch": c.local_batch,
+                        "estimate_gib": round(c.estimate_gib, 2),
+                        "fits": c.fits,
+                        "violations": c.violations,
+                        "gpu": spec.name,
+                        "tokens_per_sec_per_gpu": round(c.tps, 1),
+                        "step_time_s": round(c.predicted["step_time_s"], 4),
+                        "mfu": round(c.predicted["mfu"], 4),
+                    }
+                    for i, c in enumerate(ranked, 1)
+                ],
+                indent=2,
+            )
+        )
         return
     rows = []
     for i, c in enumerate(ranked[:top], 1):
         ac = c.ac if c.ac != "selective" else "selective op"
-        rows.append([i, c.layout(), c.local_batch, ac, f"{c.estimate_gib:.1f}", "yes" if c.fits else "no",
-                     f"{c.tps:.0f}", f"{c.predicted['mfu']:.1%}", "; ".join(c.violations) or "-"])
-    click.echo(f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
-               f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
-               f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:")
-    click.echo(tabulate(rows, headers=["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU",
-                                       "MFU", "against the guidance"]))
+        rows.append(
+            [
+                i,
+                c.layout(),
+                c.local_batch,
+                ac,
+                f"{c.estimate_gib:.1f}",
+                "yes" if c.fits else "no",
+                f"{c.tps:.0f}",
+                f"{c.predicted['mfu']:.1%}",
+                "; ".join(c.violations) or "-",
+            ]
+        )
+    click.echo(
+        f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
+        f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
+        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:"
+    )
+    click.echo(
+        tabulate(
+            rows,
+            headers=[
+                "#",
+                "layout",
+                "local batch",
+                "AC",
+                "est. GiB",
+                "fits",
+                "pred. TPS/GPU",
+                "MFU",
+                "against the guidance",
+            ],
+        )
+    )
     best = ranked[0]
-    click.echo(f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
-               + ("" if best.fits else "  (nothing fits: the least memory is shown)"))
+    click.echo(
+        f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
+        + ("" if best.fits else "  (nothing fits: the least memory is shown)")
+    )
     for r, cfg in paper_layouts(model, gpus, seq):
         p = cfg.parallelism
         want = {"dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "cp": p.cp}
@@ -263,12 +366,16 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
             click.echo(f"paper ({r.id}): the same layout.")
             continue
         if pos is None:
-            click.echo(f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
-                       f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})")
+            click.echo(
+                f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
+                f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})"
+            )
             continue
         c = ranked[pos - 1]
-        why = [f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
-               f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")]
+        why = [
+            f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
+            f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")
+        ]
         if c.local_batch != lb:
             why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
         if c.fits and best.fits:

@@ -11,6 +11,7 @@ Every layer may hold `[paper]`, `[paper.config.*]`, `[proxy.config.*]`, `[requir
 `[reference]`; `id`, `title`, `row` belong to the row file only. Files are read through
 importlib.resources, so an installed wheel works like the source tree.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -66,14 +67,27 @@ def _build(data: dict, where: str) -> Recipe:
         raise RecipeError(f"{where}: unknown reference keys {sorted(set(reference) - set(REFERENCE_KEYS))}")
     requires = {k: tuple(v) for k, v in data.get("requires", {}).items()}
     recipe = Recipe(
-        id=data["id"], title=data["title"], table=data["table"], row=data["row"],
-        techniques=tuple(data["techniques"]), gpus=paper["gpus"], gpus_per_node=paper["gpus_per_node"],
-        paper_config=paper.get("config", {}), proxy_config=proxy.get("config", {}),
-        reference=reference, requires=requires, baseline=data.get("baseline"),
-        notes=data.get("notes", ""), order=data.get("order", 0), source=where)
+        id=data["id"],
+        title=data["title"],
+        table=data["table"],
+        row=data["row"],
+        techniques=tuple(data["techniques"]),
+        gpus=paper["gpus"],
+        gpus_per_node=paper["gpus_per_node"],
+        paper_config=paper.get("config", {}),
+        proxy_config=proxy.get("config", {}),
+        reference=reference,
+        requires=requires,
+        baseline=data.get("baseline"),
+        notes=data.get("notes", ""),
+        order=data.get("order", 0),
+        source=where,
+    )
     if recipe.world("real") != recipe.gpus:
-        raise RecipeError(f"{where}: paper degrees {recipe.degrees('real')} multiply to "
-                          f"{recipe.world('real')}, not paper.gpus = {recipe.gpus}")
+        raise RecipeError(
+            f"{where}: paper degrees {recipe.degrees('real')} multiply to "
+            f"{recipe.world('real')}, not paper.gpus = {recipe.gpus}"
+        )
     return recipe
 
 
@@ -88,7 +102,8 @@ def _load() -> dict[str, Recipe]:
             if table_dir.name.startswith(("_", ".")):
                 continue
             table_defaults = deep_merge(
-                pkg_defaults, _defaults(table_dir / DEFAULTS, f"{pkg}/{table_dir.name}/{DEFAULTS}"))
+                pkg_defaults, _defaults(table_dir / DEFAULTS, f"{pkg}/{table_dir.name}/{DEFAULTS}")
+            )
             for f in sorted(table_dir.iterdir(), key=lambda f: f.name):
                 if not f.is_file() or not f.name.endswith(".toml") or f.name == DEFAULTS:
                     continue

@@ -12,6 +12,7 @@ The loss-convergence table is the exception in naming: `loss_convergence.csv` ho
 (step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
 `loss_convergence.md` carries the table, the curves' check and a link to the plot.
 """
+
 from __future__ import annotations
 
 import csv
@@ -118,8 +119,14 @@ def _dry_mem(rec: dict | None) -> float | None:
     return next((_num(rec[k]) for k in keys if _num(rec.get(k)) is not None), None) if rec else None
 
 
-TECHNIQUE_NAMES = {"compile": "compile", "float8": "Float8", "async_tp": "AsyncTP", "fsdp": "FSDP",
-                   "tp": "TP", "cp": "CP"}
+TECHNIQUE_NAMES = {
+    "compile": "compile",
+    "float8": "Float8",
+    "async_tp": "AsyncTP",
+    "fsdp": "FSDP",
+    "tp": "TP",
+    "cp": "CP",
+}
 DIM_NAMES = {"cp": "CP", "dp_shard": "FSDP", "dp_replicate": "HSDP", "tp": "TP", "pp": "PP"}
 
 
@@ -140,8 +147,16 @@ def gain_of(recipe: Recipe, base_id: str | None = None) -> str | None:
             return None
         new, old = recipe.degrees("real"), registry.get(base_id).degrees("real")
         dims = [d for d in DIM_NAMES if new.get(d) != old.get(d)]
-        return (", ".join(f"{DIM_NAMES[d]} {new[d]}" for d in dims)
-                + " (vs " + ", ".join(f"{DIM_NAMES[d]} {old[d]}" for d in dims) + ")") if dims else None
+        return (
+            (
+                ", ".join(f"{DIM_NAMES[d]} {new[d]}" for d in dims)
+                + " (vs "
+                + ", ".join(f"{DIM_NAMES[d]} {old[d]}" for d in dims)
+                + ")"
+            )
+            if dims
+            else None
+        )
     base = registry.get(recipe.baseline).techniques
     added = [t for t in recipe.techniques if t not in base]
     names = []
@@ -168,9 +183,11 @@ def calibrated_constants(note: str | None, rid: str) -> list[str]:
 
 def versions_text(rec: dict) -> str:
     v = rec.get("versions") or {}
-    parts = [f"torch {v['torch']}" if v.get("torch") else "",
-             f"torchao {v['torchao']}" if v.get("torchao") else "",
-             f"git {v['git']}" if v.get("git") else ""]
+    parts = [
+        f"torch {v['torch']}" if v.get("torch") else "",
+        f"torchao {v['torchao']}" if v.get("torchao") else "",
+        f"git {v['git']}" if v.get("git") else "",
+    ]
     return ", ".join(p for p in parts if p)
 
 
@@ -194,8 +211,7 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
     loss_table = table == "loss_convergence"
     bases = comparisons(recipes)
     has_baseline = bool(bases)
-    has_bench = any("bench_tps_per_gpu" in r.reference or "bench_mem_gib" in r.reference
-                    for r in recipes)
+    has_bench = any("bench_tps_per_gpu" in r.reference or "bench_mem_gib" in r.reference for r in recipes)
     has_pp = any(r.degrees("real")["pp"] > 1 for r in recipes)
     rows = []
     for r in recipes:
@@ -214,24 +230,26 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
                 row["bench-2412 mem GiB"] = _num(ref.get("bench_mem_gib"))
             if has_baseline:
                 row["gain of"] = gain_of(r, base_id)
-                row["paper gain %"] = _gain(_num(ref.get("paper_tps_per_gpu")),
-                                            _num(base_ref.get("paper_tps_per_gpu")) if base_ref else None)
+                row["paper gain %"] = _gain(
+                    _num(ref.get("paper_tps_per_gpu")), _num(base_ref.get("paper_tps_per_gpu")) if base_ref else None
+                )
         tps = _num(ours.get("tokens_per_sec_per_device")) if ours else None
         mfu = _num(ours.get("mfu")) if ours and not _float8_applied(ours) else None
-        row.update({
-            "ours mode": ours.get("mode") if ours else None,
-            "ours hardware": (ours.get("hardware") or {}).get("device") if ours else None,
-            "ours versions": versions_text(ours) if ours else None,
-            "ours world": ours.get("world_size") if ours else None,
-            "ours TPS/device": tps,
-            "ours MFU %": 100.0 * mfu if mfu is not None else None,
-            "ours peak mem GiB": _num(ours.get("peak_memory_gib")) if ours else None,
-            "ours final loss": _final_loss(ours) if ours else None,
-        })
+        row.update(
+            {
+                "ours mode": ours.get("mode") if ours else None,
+                "ours hardware": (ours.get("hardware") or {}).get("device") if ours else None,
+                "ours versions": versions_text(ours) if ours else None,
+                "ours world": ours.get("world_size") if ours else None,
+                "ours TPS/device": tps,
+                "ours MFU %": 100.0 * mfu if mfu is not None else None,
+                "ours peak mem GiB": _num(ours.get("peak_memory_gib")) if ours else None,
+                "ours final loss": _final_loss(ours) if ours else None,
+            }
+        )
         if loss_table:
             row["ours steps"] = ours.get("steps") if ours else None
-            row["max |Δloss| vs baseline"] = (_max_loss_delta(ours, base_ours)
-                                              if ours and base_ours else None)
+            row["max |Δloss| vs baseline"] = _max_loss_delta(ours, base_ours) if ours and base_ours else None
         elif has_baseline:
             base_tps = _num(base_ours.get("tokens_per_sec_per_device")) if base_ours else None
             row["ours gain %"] = _gain(tps, base_tps) if base_id else None
@@ -290,11 +308,19 @@ def _fmt_cell(col: str, value: Any, approx: bool = False) -> str:
 
 
 # The compact table of a paper table (its .md): these columns of the frame, renamed for the eye.
-COMPACT = {"row": "row", "paper TPS/GPU": "paper TPS/GPU", "predicted TPS/GPU": "predicted TPS/GPU",
-           "predicted TPS error %": "TPS error %", "paper gain %": "paper gain %",
-           "predicted gain %": "predicted gain %", "paper mem GiB": "paper mem GiB",
-           "dry-run est. mem GiB": "dry-run mem GiB", "dry-run mem error %": "mem error %",
-           "ours TPS/device": "ours TPS/device", "ours gain %": "ours gain %"}
+COMPACT = {
+    "row": "row",
+    "paper TPS/GPU": "paper TPS/GPU",
+    "predicted TPS/GPU": "predicted TPS/GPU",
+    "predicted TPS error %": "TPS error %",
+    "paper gain %": "paper gain %",
+    "predicted gain %": "predicted gain %",
+    "paper mem GiB": "paper mem GiB",
+    "dry-run est. mem GiB": "dry-run mem GiB",
+    "dry-run mem error %": "mem error %",
+    "ours TPS/device": "ours TPS/device",
+    "ours gain %": "ours gain %",
+}
 
 
 def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) -> str:
@@ -302,13 +328,20 @@ def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) 
     rest being in the CSV and the list under the table; a calibration row's prediction gets †."""
     approx = {r.id: bool(r.reference.get("paper_mem_approx")) for r in recipes}
     cols = [c for c in (COMPACT if compact else df.columns) if c in df.columns]
-    shown = pd.DataFrame({c: [_fmt_cell(c, v, approx.get(rid, False) and c == "paper mem GiB")
-                              for v, rid in zip(df[c], df["recipe"])] for c in cols})
+    shown = pd.DataFrame(
+        {
+            c: [_fmt_cell(c, v, approx.get(rid, False) and c == "paper mem GiB") for v, rid in zip(df[c], df["recipe"])]
+            for c in cols
+        }
+    )
     if compact and "predicted TPS/GPU" in cols:
-        shown["predicted TPS/GPU"] = [f"{v} †" if v and isinstance(cal, str) else v
-                                      for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"])]
+        shown["predicted TPS/GPU"] = [
+            f"{v} †" if v and isinstance(cal, str) else v
+            for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"])
+        ]
     return shown.rename(columns=COMPACT if compact else {}).to_markdown(
-        index=False, disable_numparse=True, colalign=["left"] + ["right" if compact else "left"] * (len(cols) - 1))
+        index=False, disable_numparse=True, colalign=["left"] + ["right" if compact else "left"] * (len(cols) - 1)
+    )
 
 
 def _rows_by(labels, values) -> list[str]:
@@ -330,25 +363,38 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
     n_pred = int(df["predicted TPS/GPU"].notna().sum())
     lines = []
     if n_pred:
-        lines.append(f"- **predicted** ({n_pred} of {n} rows): the performance model (`core/dryrun/runtime.py`) "
-                     f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
-                     "each row's dry-run record; `TPS error %` and `mem error %` are against the paper.")
+        lines.append(
+            f"- **predicted** ({n_pred} of {n} rows): the performance model (`core/dryrun/runtime.py`) "
+            f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
+            "each row's dry-run record; `TPS error %` and `mem error %` are against the paper."
+        )
         cal = [f"{row} ({const})" for row, const in zip(df["row"], df["calibrated on"]) if isinstance(const, str)]
-        lines.append("- **calibration**: " + "; ".join(notes) + ". "
-                     + (f"Calibration row here (†): {'; '.join(cal)}; every other row is a prediction."
-                        if cal else "No row of this table was used: every figure here is a prediction."))
+        lines.append(
+            "- **calibration**: "
+            + "; ".join(notes)
+            + ". "
+            + (
+                f"Calibration row here (†): {'; '.join(cal)}; every other row is a prediction."
+                if cal
+                else "No row of this table was used: every figure here is a prediction."
+            )
+        )
         unfit = list(df.loc[df["predicted fits GPU"].eq(False).fillna(False).astype(bool), "row"])
         if unfit:
             lines.append(f"- **does not fit its GPU** (predicted anyway): {'; '.join(unfit)}")
     else:
         lines.append("- **predicted**: no dry-run record with a prediction (`run-recipe run ID --mode dry-run`).")
     if "gain of" in df and any(r.baseline for r in recipes):
-        lines.append("- **gains** over the row's baseline: "
-                     + "; ".join(f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str)))
+        lines.append(
+            "- **gains** over the row's baseline: "
+            + "; ".join(f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str))
+        )
     elif "gain of" in df:
         lines.append("- **gains**: each row over the previous one (`gain of` in the CSV says what changes)")
-    prov = [", ".join(x for x in t if isinstance(x, str) and x)
-            for t in zip(df["ours mode"], df["ours hardware"], df["ours versions"])]
+    prov = [
+        ", ".join(x for x in t if isinstance(x, str) and x)
+        for t in zip(df["ours mode"], df["ours hardware"], df["ours versions"])
+    ]
     lines += [f"- **ours** {x}" for x in _rows_by(list(df["row"]), prov)]
     lines += [f"- **notes** {x}" for x in _rows_by(list(df["row"]), df["ours notes"])]
     lines.append("- **recipes**: " + ", ".join(f"`{rid}`" for rid in df["recipe"]))
@@ -431,34 +477,57 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
                 fig = png.name
                 written.append(png)
             md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
-        md += [(f"{n_ours} of {len(df)} rows have a record of ours. Every column: [{csv_name}]({csv_name}); "
-                "how the numbers were made: [README.md](README.md)."), ""]
+        md += [
+            (
+                f"{n_ours} of {len(df)} rows have a record of ours. Every column: [{csv_name}]({csv_name}); "
+                "how the numbers were made: [README.md](README.md)."
+            ),
+            "",
+        ]
         if table == "loss_convergence":
             # the curves, their plot and check: from the same records
-            proxy = {rid: rec for (rid, mode), rec in records.items()
-                     if mode == "proxy" and rid in {r.id for r in recipes}}
+            proxy = {
+                rid: rec for (rid, mode), rec in records.items() if mode == "proxy" and rid in {r.id for r in recipes}
+            }
             files, section = loss_curves.write_outputs(proxy, out)
             written += files
             md += [section]
         (out / f"{table}.md").write_text("\n".join(md))
         index.append((table, meta.get("title", table), len(df), n_ours, csv_name, fig))
 
-    lines = ["# Results", "",
-             ("Generated by `run-recipe results` from the records in "
-             f"`{relative(Path(records_dir).resolve(), out.resolve())}` only. Do not edit by hand."), "",
-             "| table | rows | rows with our record | figure |", "|---|---|---|---|"]
-    lines += [f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} | {f'[{f}]({f})' if f else ''} |"
-              for t, title, n, k, c, f in index]
+    lines = [
+        "# Results",
+        "",
+        (
+            "Generated by `run-recipe results` from the records in "
+            f"`{relative(Path(records_dir).resolve(), out.resolve())}` only. Do not edit by hand."
+        ),
+        "",
+        "| table | rows | rows with our record | figure |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} | {f'[{f}]({f})' if f else ''} |"
+        for t, title, n, k, c, f in index
+    ]
     others = _other_files(out, set(written))
     if others:
         lines += ["", "## Other results", "", "| file | what |", "|---|---|"]
         lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
     lines += ["", README_HOW, "## Records used", ""]
     if records:
-        rec_rows = [{"recipe": rid, "mode": mode, "hardware": (rec.get("hardware") or {}).get("device", ""),
-                     "world": rec.get("world_size", ""), "steps": rec.get("steps", ""),
-                     **{k: (rec.get("versions") or {}).get(k, "") for k in ("torch", "torchao", "git")},
-                     "finished": rec.get("finished_at", "")} for (rid, mode), rec in sorted(records.items())]
+        rec_rows = [
+            {
+                "recipe": rid,
+                "mode": mode,
+                "hardware": (rec.get("hardware") or {}).get("device", ""),
+                "world": rec.get("world_size", ""),
+                "steps": rec.get("steps", ""),
+                **{k: (rec.get("versions") or {}).get(k, "") for k in ("torch", "torchao", "git")},
+                "finished": rec.get("finished_at", ""),
+            }
+            for (rid, mode), rec in sorted(records.items())
+        ]
         lines.append(pd.DataFrame(rec_rows).astype(str).to_markdown(index=False, disable_numparse=True))
     else:
         lines.append("No records yet: run `run-recipe run <id> --mode proxy` (or real, dry-run).")
@@ -496,4 +565,3 @@ def _other_files(out: Path, written: set[Path]) -> list[tuple[str, str]]:
         if path.is_file() and path.suffix in (".md", ".csv", ".png", ".json") and path.name not in known:
             found.append((path.name, ""))
     return found
-

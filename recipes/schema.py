@@ -18,6 +18,7 @@ A row file (`<package>/<table>/<name>.toml`) holds:
 
 Any of these may instead come from a `defaults.toml` (suite, package, table): see registry.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,10 +30,21 @@ from core.config import JobConfig, Parallelism, apply_dict
 
 MODES = ("real", "proxy", "dry-run")
 TABLES = ("table1", "table2", "table3", "table4", "table5", "loss_convergence")
-REFERENCE_KEYS = ("paper_tps_per_gpu", "paper_mem_gib", "paper_mem_approx",
-                  "bench_tps_per_gpu", "bench_mem_gib")
-TOP_KEYS = {"id", "title", "table", "row", "order", "techniques", "baseline", "notes",
-            "paper", "reference", "proxy", "requires"}
+REFERENCE_KEYS = ("paper_tps_per_gpu", "paper_mem_gib", "paper_mem_approx", "bench_tps_per_gpu", "bench_mem_gib")
+TOP_KEYS = {
+    "id",
+    "title",
+    "table",
+    "row",
+    "order",
+    "techniques",
+    "baseline",
+    "notes",
+    "paper",
+    "reference",
+    "proxy",
+    "requires",
+}
 PARALLEL_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 

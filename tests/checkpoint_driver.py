@@ -12,6 +12,7 @@ pays torchrun's and torch's start-up once.
 A job whose result.json exists is skipped, so a group restarted by torchrun (--max-restarts)
 goes on with the job that was interrupted, which resumes from its own checkpoints.
 """
+
 import json
 import os
 import sys

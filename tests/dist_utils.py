@@ -4,6 +4,7 @@ Commands and environments come from recipes.launcher (the one place a torchrun c
 Independent jobs of one world size share one torchrun (`GROUPS`, recipes.studies.group_worker):
 start-up (~10-20 s per torchrun on 2 cores) dominates the tiny jobs.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny fp32 job on a deterministic token stream: the shape every parity test starts from.
 TINY_JOB = [
-    "--model.flavor=tiny", "--data.dataset=synthetic", "--training.seq_len=64",
-    "--training.local_batch_size=8", "--training.steps=10", "--optimizer.lr=1e-3",
-    "--lr_scheduler.warmup_steps=2", "--metrics.progress=false",
+    "--model.flavor=tiny",
+    "--data.dataset=synthetic",
+    "--training.seq_len=64",
+    "--training.local_batch_size=8",
+    "--training.steps=10",
+    "--optimizer.lr=1e-3",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.progress=false",
 ]
 
 
@@ -39,8 +45,9 @@ def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float 
     """torchrun --standalone -m core.train; returns result.json. Raises with the log on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(nproc, launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides]))
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True, timeout=timeout
+    )
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
@@ -66,8 +73,9 @@ def run_group(world: int, jobs: dict[str, list[str]], out: Path, strict: bool = 
     spec = out / f"jobs_w{world}.json"
     spec.write_text(json.dumps(specs))
     cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)])
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=dist_env(world), capture_output=True, text=True,
-                          timeout=900 + 300 * len(jobs))
+    proc = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=dist_env(world), capture_output=True, text=True, timeout=900 + 300 * len(jobs)
+    )
     (out / f"jobs_w{world}.log").write_text(proc.stdout + proc.stderr)
     records, missing = {}, []
     for name in jobs:
@@ -77,8 +85,11 @@ def run_group(world: int, jobs: dict[str, list[str]], out: Path, strict: bool = 
         else:
             missing.append(name)
             err = out / name / "error.txt"
-            records[name] = {"error": (err.read_text() if err.is_file() else "no result.json") + "\n"
-                             + "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])}
+            records[name] = {
+                "error": (err.read_text() if err.is_file() else "no result.json")
+                + "\n"
+                + "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+            }
     if missing and strict:
         raise RuntimeError(f"no result for {missing} (exit {proc.returncode}):\n{records[missing[0]]['error']}")
     return records

@@ -5,6 +5,7 @@ bad checkpoints, async overhead.
 Single-process tests run the real Trainer in this process (a world-1 gloo group); the
 multi-process ones launch torchrun and are marked slow.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,14 +24,7 @@ import torch
 import torch.distributed as dist
 
 from core.checkpoint import main as ckpt_main
-from core.checkpoint_files import (
-    CheckpointError,
-    complete_steps,
-    import_hf,
-    load_model_weights,
-    read_metadata,
-    resolve,
-)
+from core.checkpoint_files import CheckpointError, complete_steps, import_hf, load_model_weights, read_metadata, resolve
 from core.config import ConfigError, load_config
 from core.debug import (
     analyze,
@@ -76,16 +70,25 @@ def train(out: Path, *overrides: str) -> dict:
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def base(pg, tmp_path_factory):
     """6 steps, async saves every 2 steps, keep the latest 2."""
     out = tmp_path_factory.mktemp("base")
-    rec = train(out, *CKPT, "--training.steps=6", "--checkpoint.interval=2",
-                "--checkpoint.async_mode=async", "--checkpoint.keep_latest_k=2")
+    rec = train(
+        out,
+        *CKPT,
+        "--training.steps=6",
+        "--checkpoint.interval=2",
+        "--checkpoint.async_mode=async",
+        "--checkpoint.keep_latest_k=2",
+    )
     return out, rec
 
 
@@ -98,12 +101,19 @@ def test_async_save_keep_latest_and_bit_identical_resume(base, tmp_path):
     info = json.loads((folder / "step-6" / "titan.json").read_text())
     assert info["kind"] == "full" and info["step"] == 6 and info["model_shape"]["n_layers"] == 2
     keys = read_metadata(folder / "step-4").state_dict_metadata
-    for k in ("optimizer.state.layers.0.attention.wq.weight.exp_avg", "lr_scheduler", "train_state",
-              "dataloader.dp_rank_0", "rng.rank_0", "model.output.weight"):
+    for k in (
+        "optimizer.state.layers.0.attention.wq.weight.exp_avg",
+        "lr_scheduler",
+        "train_state",
+        "dataloader.dp_rank_0",
+        "rng.rank_0",
+        "model.output.weight",
+    ):
         assert k in keys, k
     # a fresh run that starts from step 4: steps 5, 6 exactly as the uninterrupted run
-    resumed = train(tmp_path, *CKPT, "--training.steps=6", f"--checkpoint.resume_from={folder}",
-                    "--checkpoint.load_step=4")
+    resumed = train(
+        tmp_path, *CKPT, "--training.steps=6", f"--checkpoint.resume_from={folder}", "--checkpoint.load_step=4"
+    )
     assert resumed["start_step"] == 4 and resumed["losses"] == rec["losses"][4:]
     assert rec["losses"][0] != rec["losses"][-1]
 
@@ -124,8 +134,15 @@ def test_half_written_checkpoint_is_never_loaded(base, tmp_path):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(pg, tmp_path):
     with pytest.raises(FloatingPointError, match=r"step (\d+): (loss|grad norm) is (nan|inf)") as err:
-        train(tmp_path, *CKPT, "--training.steps=6", "--checkpoint.interval=1", "--optimizer.lr=1e30",
-              "--lr_scheduler.warmup_steps=0", "--checkpoint.async_mode=async")
+        train(
+            tmp_path,
+            *CKPT,
+            "--training.steps=6",
+            "--checkpoint.interval=1",
+            "--optimizer.lr=1e30",
+            "--lr_scheduler.warmup_steps=0",
+            "--checkpoint.async_mode=async",
+        )
     bad = int(str(err.value).split()[1].rstrip(":"))
     steps = complete_steps(tmp_path / "checkpoint")
     assert bad >= 2 and list(steps) == list(range(1, bad)), (bad, list(steps))
@@ -134,9 +151,15 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(pg, tmp_path):
 
 def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
     run1 = tmp_path / "run1"
-    rec = train(run1, *CKPT, "--training.steps=2", "--checkpoint.interval=1",
-                "--checkpoint.create_seed_checkpoint=true", "--checkpoint.model_weights_only=true",
-                "--checkpoint.export_dtype=bfloat16")
+    rec = train(
+        run1,
+        *CKPT,
+        "--training.steps=2",
+        "--checkpoint.interval=1",
+        "--checkpoint.create_seed_checkpoint=true",
+        "--checkpoint.model_weights_only=true",
+        "--checkpoint.export_dtype=bfloat16",
+    )
     folder = run1 / "checkpoint"
     assert list(complete_steps(folder)) == [0, 1, 2]
     seed, info = load_model_weights(folder / "step-0")
@@ -150,8 +173,13 @@ def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
     assert last["model.layers.0.attention.wq.weight"].properties.dtype == torch.bfloat16
     assert any(k.startswith("optimizer.") for k in read_metadata(folder / "step-1").state_dict_metadata)
     # the seed starts another run from the same weights (fresh optimizer, step 0)
-    rec2 = train(tmp_path / "run2", *CKPT, "--training.steps=2", f"--checkpoint.resume_from={folder / 'step-0'}",
-                 "--job.seed=123")
+    rec2 = train(
+        tmp_path / "run2",
+        *CKPT,
+        "--training.steps=2",
+        f"--checkpoint.resume_from={folder / 'step-0'}",
+        "--job.seed=123",
+    )
     assert rec2["start_step"] == 0 and rec2["losses"] == rec["losses"]
 
 
@@ -215,8 +243,12 @@ def test_resume_path_or_step_that_does_not_exist(base, tmp_path):
     with pytest.raises(CheckpointError, match=r"step-5.*load_step 5 not found.*\[4, 6\]"):
         train(tmp_path / "r", *CKPT, f"--checkpoint.resume_from={src / 'checkpoint'}", "--checkpoint.load_step=5")
     assert tree_digest(src / "checkpoint") == before
-    for bad in (["checkpoint.keep_latest_k=-1"], ["checkpoint.load_step=-2"], ["comm.trace_buf_size=-1"],
-                ["comm.train_timeout_seconds=0"]):
+    for bad in (
+        ["checkpoint.keep_latest_k=-1"],
+        ["checkpoint.load_step=-2"],
+        ["comm.trace_buf_size=-1"],
+        ["comm.train_timeout_seconds=0"],
+    ):
         with pytest.raises(ConfigError, match=bad[0].split("=")[0].replace(".", r"\.")):
             validate(load_config(None, bad), 1, check_files=False)
 
@@ -245,8 +277,13 @@ def test_hf_export_matches_transformers_logits(base, tmp_path):
 
 
 def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
-    for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
-              "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for k in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    ):
         monkeypatch.setenv(k, "")  # so that the values set below are undone after the test
         monkeypatch.delenv(k)
     cfg = _cfg(tmp_path, "--comm.trace_buf_size=64")
@@ -260,11 +297,14 @@ def test_flight_recorder_config_and_reader(pg, tmp_path, monkeypatch):
     assert d["titan_reason"] == "test" and d["pg_config"]  # filled for torchfrtrace
     # the analysis on two synthetic ranks: rank 1 never issued the collective rank 0 waits in
     e = {"process_group": ("3", "dp_shard_cp"), "state": "scheduled", "input_sizes": [[8]]}
-    traces = {0: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2, 3)]},
-              1: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2)]}}
+    traces = {
+        0: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2, 3)]},
+        1: {"entries": [dict(e, collective_seq_id=s, profiling_name="gloo:all_gather") for s in (1, 2)]},
+    }
     lag = analyze(traces)["lagging"]
-    assert lag == [{"group": "3", "desc": "dp_shard_cp", "ranks": [1], "waiting_ranks": [0],
-                    "op": "gloo:all_gather", "seq": 3}]
+    assert lag == [
+        {"group": "3", "desc": "dp_shard_cp", "ranks": [1], "waiting_ranks": [0], "op": "gloo:all_gather", "seq": 3}
+    ]
 
 
 def test_checkpoint_overhead_bench(pg, tmp_path):
@@ -284,19 +324,23 @@ def test_checkpoint_overhead_bench(pg, tmp_path):
 def _driver_cmd(nproc: int, root: Path, jobs: list[tuple], max_restarts: int = 0) -> list[str]:
     """tests/checkpoint_driver.py: several Trainer jobs (name, overrides[, env]) in one torchrun group."""
     root.mkdir(parents=True, exist_ok=True)
-    plan = {"root": str(root), "jobs": [{"name": j[0], "overrides": [*TINY_JOB, *j[1]],
-                                         "env": j[2] if len(j) > 2 else {}} for j in jobs]}
+    plan = {
+        "root": str(root),
+        "jobs": [{"name": j[0], "overrides": [*TINY_JOB, *j[1]], "env": j[2] if len(j) > 2 else {}} for j in jobs],
+    }
     (root / "plan.json").write_text(json.dumps(plan))
-    return torchrun_command(nproc, [str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")],
-                            max_restarts=max_restarts)
+    return torchrun_command(
+        nproc, [str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")], max_restarts=max_restarts
+    )
 
 
 ENV = dist_env()
 
 
 def _driver(nproc: int, root: Path, jobs: list[tuple], timeout: float = 900) -> dict:
-    proc = subprocess.run(_driver_cmd(nproc, root, jobs), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        _driver_cmd(nproc, root, jobs), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
     (root / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise RuntimeError("driver failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-60:]))
@@ -308,23 +352,34 @@ def test_exact_resume_every_layout_and_resharded_resume(tmp_path):
     """World 4, global batch 8 x 64 everywhere. Exact: FSDP 4, FSDP 2 x TP 2, PP 2 x FSDP 2
     (Interleaved1F1B, two model parts per rank), CP 2 x FSDP 2. Resharded: saved under FSDP 4,
     continued under FSDP 2 x TP 2 and under PP 2 x FSDP 2."""
+
     def job(layout, resume=None, flavor="tiny"):
         o = [*CKPT, "--training.steps=4", "--checkpoint.interval=2", f"--model.flavor={flavor}", *layout]
         if resume:
             o += [f"--checkpoint.resume_from={tmp_path / resume / 'checkpoint'}", "--checkpoint.load_step=2"]
         return o
+
     fsdp = ["--parallelism.dp_shard=4", "--training.local_batch_size=2"]
     tp = ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--training.local_batch_size=4"]
     pp = ["--parallelism.dp_shard=2", "--parallelism.pp=2", "--training.local_batch_size=4"]
     ppi = pp + ["--parallelism.pp_schedule=Interleaved1F1B"]
     cp = ["--parallelism.dp_shard=2", "--parallelism.cp=2", "--training.local_batch_size=4"]
-    r = _driver(4, tmp_path, [
-        ("fsdp", job(fsdp)), ("fsdp_r", job(fsdp, "fsdp")),
-        ("tp", job(tp)), ("tp_r", job(tp, "tp")), ("tp_from_fsdp", job(tp, "fsdp")),
-        ("pp_from_fsdp", job(pp, "fsdp")),
-        ("ppi", job(ppi, flavor="tiny4")), ("ppi_r", job(ppi, "ppi", flavor="tiny4")),
-        ("cp", job(cp)), ("cp_r", job(cp, "cp")),
-    ])
+    r = _driver(
+        4,
+        tmp_path,
+        [
+            ("fsdp", job(fsdp)),
+            ("fsdp_r", job(fsdp, "fsdp")),
+            ("tp", job(tp)),
+            ("tp_r", job(tp, "tp")),
+            ("tp_from_fsdp", job(tp, "fsdp")),
+            ("pp_from_fsdp", job(pp, "fsdp")),
+            ("ppi", job(ppi, flavor="tiny4")),
+            ("ppi_r", job(ppi, "ppi", flavor="tiny4")),
+            ("cp", job(cp)),
+            ("cp_r", job(cp, "cp")),
+        ],
+    )
     for name in ("fsdp", "tp", "ppi", "cp"):
         full, resumed = r[name]["losses"], r[f"{name}_r"]
         assert resumed["start_step"] == 2 and resumed["losses"] == full[2:], (name, resumed["losses"], full)
@@ -344,17 +399,28 @@ def test_launcher_max_restarts_flag(tmp_path):
     assert launch_env("proxy", 2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
-
 @pytest.mark.slow
 @pytest.mark.faults
 def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
     """torchrun --max-restarts=1 over a group that first trains the uninterrupted baseline, then
     the same job again, whose rank 1 is SIGKILLed after step 5 (checkpoints at 2 and 4). The
     agent restarts the group, the job resumes at step 4 and ends with the baseline's losses."""
-    job = [*CKPT, "--training.steps=8", "--checkpoint.interval=2", "--parallelism.dp_shard=2",
-           "--training.local_batch_size=4"]
-    cmd = _driver_cmd(2, tmp_path, [("base", job + ["--checkpoint.async_mode=async_with_pinned_mem"]),
-                                    ("killed", job, {"TITAN_DEBUG_PAUSE": "5:300"})], max_restarts=1)
+    job = [
+        *CKPT,
+        "--training.steps=8",
+        "--checkpoint.interval=2",
+        "--parallelism.dp_shard=2",
+        "--training.local_batch_size=4",
+    ]
+    cmd = _driver_cmd(
+        2,
+        tmp_path,
+        [
+            ("base", job + ["--checkpoint.async_mode=async_with_pinned_mem"]),
+            ("killed", job, {"TITAN_DEBUG_PAUSE": "5:300"}),
+        ],
+        max_restarts=1,
+    )
     out = tmp_path / "killed"
     with open(tmp_path / "log.txt", "w") as log:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
@@ -381,8 +447,11 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
     # step 5 ran twice (before the kill and after the restart), with the same loss
     # (the resumed run keeps metrics.jsonl free of duplicates: the first attempt's step 5 moved
     # to metrics.replaced.jsonl)
-    lines = [json.loads(line) for name in ("metrics.replaced.jsonl", "metrics.jsonl")
-             for line in (out / name).read_text().splitlines()]
+    lines = [
+        json.loads(line)
+        for name in ("metrics.replaced.jsonl", "metrics.jsonl")
+        for line in (out / name).read_text().splitlines()
+    ]
     fives = [d["loss"] for d in lines if d["step"] == 5]
     assert len(fives) == 2 and fives[0] == fives[1] == base["losses"][4]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -397,8 +466,19 @@ def test_flight_recorder_dump_on_collective_timeout(tmp_path):
     out = tmp_path / "run"
     env = {"TITAN_DEBUG_PAUSE": "3:60:1"}  # rank 1 sleeps 60 s after step 3
     with pytest.raises(RuntimeError, match="trainer failed"):
-        _run_env(2, [*TINY_JOB, "--training.steps=6", "--parallelism.dp_shard=2", "--training.local_batch_size=4",
-                     "--comm.trace_buf_size=2000", "--comm.train_timeout_seconds=3"], out, env)
+        _run_env(
+            2,
+            [
+                *TINY_JOB,
+                "--training.steps=6",
+                "--parallelism.dp_shard=2",
+                "--training.local_batch_size=4",
+                "--comm.trace_buf_size=2000",
+                "--comm.train_timeout_seconds=3",
+            ],
+            out,
+            env,
+        )
     paused = (out / "debug" / "pid_rank_1").stat().st_mtime
     folder = out / "comm_traces"
     traces = read_traces(folder)

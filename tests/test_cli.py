@@ -1,4 +1,5 @@
 """`run-recipe`: list, show, run (validation, refusals, multi-node launch), results; one e2e run."""
+
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ def invoke(*args):
 def no_spawn(monkeypatch):
     def boom(*a, **k):
         raise AssertionError(f"spawned a process: {a}")
+
     monkeypatch.setattr(subprocess, "Popen", boom)
     monkeypatch.setattr(subprocess, "run", boom)
 
@@ -50,8 +52,19 @@ def test_list_ids_and_table():
 def test_show():
     res = invoke("show", "llama3_405b/table3/512gpu_3d_interleaved_1f1b")
     assert res.exit_code == 0, res.output
-    for text in ("Interleaved1F1B", "405B", "tiny4", "paper_tps_per_gpu", "130", "80.3",
-                 "real:", "proxy:", "dry-run:", "sm89", "64 node(s)"):
+    for text in (
+        "Interleaved1F1B",
+        "405B",
+        "tiny4",
+        "paper_tps_per_gpu",
+        "130",
+        "80.3",
+        "real:",
+        "proxy:",
+        "dry-run:",
+        "sm89",
+        "64 node(s)",
+    ):
         assert text in res.output
     res = invoke("show", ROW, "--json")
     data = json.loads(res.output)
@@ -61,14 +74,18 @@ def test_show():
     assert invoke("show", "nope/none").exit_code == 2
 
 
-@pytest.mark.parametrize("override, key", [
-    ("parallelism.tp=3", "parallelism.tp"),
-    ("parallelism.nope=1", "parallelism.nope"),
-    ("training.steps=abc", "training.steps"),
-    ("training.seq_len=true", "training.seq_len"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("parallelism.tp=3", "parallelism.tp"),
+        ("parallelism.nope=1", "parallelism.nope"),
+        ("training.steps=abc", "training.steps"),
+        ("training.seq_len=true", "training.seq_len"),
+    ],
+)
 def test_bad_override_fails_fast_and_spawns_nothing(tmp_path, no_spawn, override, key):
     import core.models.llama3  # noqa: F401  (time the CLI's checks, not torch's cold import)
+
     out = tmp_path / "run"
     t0 = time.perf_counter()
     res = invoke("run", ROW, "--mode", "proxy", "--set", override, "--out", str(out))
@@ -95,32 +112,60 @@ def test_real_mode_refuses_without_cuda(tmp_path, no_spawn):
 
 
 def test_slurm_writes_an_sbatch_script(tmp_path, no_spawn):
-    res = invoke("run", "llama3_8b/table1/128gpu_fsdp", "--mode", "real", "--slurm",
-                 "--sbatch", "partition=h100", "--out", str(tmp_path))
+    res = invoke(
+        "run",
+        "llama3_8b/table1/128gpu_fsdp",
+        "--mode",
+        "real",
+        "--slurm",
+        "--sbatch",
+        "partition=h100",
+        "--out",
+        str(tmp_path),
+    )
     assert res.exit_code == 0, res.output
     script = (tmp_path / "sbatch.sh").read_text()
     assert str(tmp_path / "sbatch.sh") in res.output
-    for text in ("#SBATCH --nodes=16", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=h100",
-                 "srun", "torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
-                 '--rdzv_endpoint="$head_node:29500"', f"--config {tmp_path / 'job.json'}"):
+    for text in (
+        "#SBATCH --nodes=16",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=h100",
+        "srun",
+        "torchrun",
+        "--nnodes=16",
+        "--nproc_per_node=8",
+        "--rdzv_backend=c10d",
+        '--rdzv_endpoint="$head_node:29500"',
+        f"--config {tmp_path / 'job.json'}",
+    ):
         assert text in script
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["parallelism"]["dp_shard"] == 128 and job["job"]["mode"] == "real"
     assert job["job"]["output_dir"] == str(tmp_path.resolve())
 
-    res = invoke("run", "llama3_405b/table3/512gpu_3d_1f1b", "--mode", "real", "--slurm",
-                 "--out", str(tmp_path / "t3"), "--records-dir", str(tmp_path / "rec"))
+    res = invoke(
+        "run",
+        "llama3_405b/table3/512gpu_3d_1f1b",
+        "--mode",
+        "real",
+        "--slurm",
+        "--out",
+        str(tmp_path / "t3"),
+        "--records-dir",
+        str(tmp_path / "rec"),
+    )
     script = (tmp_path / "t3" / "sbatch.sh").read_text()
     assert "#SBATCH --nodes=64" in script and "--nnodes=64" in script
     assert str(tmp_path / "rec" / "real" / "llama3_405b__table3__512gpu_3d_1f1b.json") in script
 
 
 def test_multinode_real_prints_the_torchrun_command(tmp_path, no_spawn):
-    res = invoke("run", "llama3_70b/table2/256gpu_fsdp_tp_compile_float8", "--mode", "real",
-                 "--out", str(tmp_path))
+    res = invoke("run", "llama3_70b/table2/256gpu_fsdp_tp_compile_float8", "--mode", "real", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
-    assert ("torchrun --nnodes=32 --nproc_per_node=8" in res.output
-            and "--rdzv_backend=c10d --rdzv_endpoint=$HOST:29500" in res.output)
+    assert (
+        "torchrun --nnodes=32 --nproc_per_node=8" in res.output
+        and "--rdzv_backend=c10d --rdzv_endpoint=$HOST:29500" in res.output
+    )
 
 
 def test_dry_run(tmp_path, monkeypatch, no_spawn):
@@ -135,8 +180,7 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
     fake.dry_run = lambda cfg: seen.setdefault("cfg", cfg) and {"peak_memory_gib": 1.0}
     monkeypatch.setitem(sys.modules, "core.dryrun.record", fake)
     monkeypatch.setattr(launcher, "dry_run_available", lambda: True)
-    res = invoke("run", ROW, "--mode", "dry-run", "--out", str(tmp_path / "b"),
-                 "--records-dir", str(tmp_path / "rec"))
+    res = invoke("run", ROW, "--mode", "dry-run", "--out", str(tmp_path / "b"), "--records-dir", str(tmp_path / "rec"))
     assert res.exit_code == 0, res.output
     assert seen["cfg"].parallelism.world_size == 8 and seen["cfg"].model.flavor == "8B"
     rec = json.loads((tmp_path / "rec" / "dry-run" / "llama3_8b__table1__8gpu_fsdp.json").read_text())
@@ -157,20 +201,49 @@ def test_launch_command_and_env(monkeypatch):
 
 def test_one_torchrun_command_builder():
     local = launcher.torchrun_command(2, ["script.py", "plan.json"], max_restarts=1)
-    assert local == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                     "--nproc_per_node=2", "--max-restarts=1", "script.py", "plan.json"]
-    multi = launcher.torchrun_command(8, launcher.trainer_target("j.json"), nnodes=4, rdzv_id="x",
-                                      rdzv_endpoint="h:1", exe="torchrun")
-    assert multi == ["torchrun", "--nnodes=4", "--nproc_per_node=8", "--rdzv_id=x", "--rdzv_backend=c10d",
-                     "--rdzv_endpoint=h:1", "-m", "core.train", "--config", "j.json"]
+    assert local == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "script.py",
+        "plan.json",
+    ]
+    multi = launcher.torchrun_command(
+        8, launcher.trainer_target("j.json"), nnodes=4, rdzv_id="x", rdzv_endpoint="h:1", exe="torchrun"
+    )
+    assert multi == [
+        "torchrun",
+        "--nnodes=4",
+        "--nproc_per_node=8",
+        "--rdzv_id=x",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=h:1",
+        "-m",
+        "core.train",
+        "--config",
+        "j.json",
+    ]
     assert launcher.launch_env("proxy", 1, OMP_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
     assert launcher.results_root() == launcher.project_root() / "results"
 
 
 def _record(rid, tps, losses, mode="proxy"):
-    return {"recipe": rid, "mode": mode, "hardware": {"device": "test-cpu"}, "world_size": 2,
-            "tokens_per_sec_per_device": tps, "mfu": 0.1, "peak_memory_gib": 0.5,
-            "losses": losses, "steps": len(losses), "toggles_applied": ["fsdp"]}
+    return {
+        "recipe": rid,
+        "mode": mode,
+        "hardware": {"device": "test-cpu"},
+        "world_size": 2,
+        "tokens_per_sec_per_device": tps,
+        "mfu": 0.1,
+        "peak_memory_gib": 0.5,
+        "losses": losses,
+        "steps": len(losses),
+        "toggles_applied": ["fsdp"],
+    }
 
 
 def test_results_from_records_only(tmp_path):
@@ -215,11 +288,26 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     the model's shape from --set (model.dim, ... override the row's flavor)."""
     out = tmp_path / "run"
     shape = {"dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 8}  # vocabulary: the tokenizer's
-    args = [sys.executable, "-m", "recipes.cli", "run", ROW, "--mode", "proxy",
-            "--set", "training.steps=3", "--set", "metrics.progress=false", "--out", str(out),
-            *[a for k, v in shape.items() for a in ("--set", f"model.{k}={v}")]]
-    if not (ROOT / "assets" / "c4_offline").exists() or \
-            not (ROOT / "assets" / "tokenizer" / "proxy_bpe_4k" / "tokenizer.model").is_file():
+    args = [
+        sys.executable,
+        "-m",
+        "recipes.cli",
+        "run",
+        ROW,
+        "--mode",
+        "proxy",
+        "--set",
+        "training.steps=3",
+        "--set",
+        "metrics.progress=false",
+        "--out",
+        str(out),
+        *[a for k, v in shape.items() for a in ("--set", f"model.{k}={v}")],
+    ]
+    if (
+        not (ROOT / "assets" / "c4_offline").exists()
+        or not (ROOT / "assets" / "tokenizer" / "proxy_bpe_4k" / "tokenizer.model").is_file()
+    ):
         args += ["--set", "data.dataset=synthetic"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
@@ -232,8 +320,14 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     assert rec["model"]["param_count"] == rec["model"]["params"] == 1_639_040  # 2 * 128 * 4352 + 2 blocks + norm
     assert rec["tokens_per_sec_per_device"] > 0
     timings = rec["timings_s"]  # where the row's time went, phase by phase
-    assert {"process_start_and_imports", "init_distributed", "trainer_init", "first_step", "later_steps",
-            "other"} <= set(timings) and timings["process_start_and_imports"] > 0.5  # torch alone takes longer
+    assert {
+        "process_start_and_imports",
+        "init_distributed",
+        "trainer_init",
+        "first_step",
+        "later_steps",
+        "other",
+    } <= set(timings) and timings["process_start_and_imports"] > 0.5  # torch alone takes longer
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["tokens_per_sec_per_device"] > 0 for m in steps)
     assert (out / "job.json").is_file() and (out / "train.log").is_file()

@@ -1,4 +1,5 @@
 """Config loading, overrides and the validation that happens before anything is spawned."""
+
 import copy
 import dataclasses
 import json
@@ -66,17 +67,31 @@ BAD = [
     (["parallelism.pp_schedule=Zigzag", "parallelism.pp=2", "model.flavor=tiny4"], "parallelism.pp_schedule"),
     (["parallelism.cp_rotate_method=ring"], "parallelism.cp_rotate_method"),
     (["activation_checkpoint.mode=some"], "activation_checkpoint.mode"),
-    (["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=0"],
-     "activation_checkpoint.selective_ac_option"),
+    (
+        ["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option=0"],
+        "activation_checkpoint.selective_ac_option",
+    ),
     (["float8.recipe=e5m2"], "float8.recipe"),
-    (["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"],
-     "parallelism.tp"),
+    (
+        ["parallelism.tp=3", "model.flavor=debug", "parallelism.dp_shard=1", "parallelism.world_size=3"],
+        "parallelism.tp",
+    ),
     (["parallelism.tp=16", "model.flavor=debug", "parallelism.dp_shard=1"], "parallelism.tp"),  # 8 kv heads
     (["parallelism.pp=4", "model.flavor=tiny", "parallelism.dp_shard=1"], "parallelism.pp"),  # 2 layers
-    (["parallelism.pp=2", "parallelism.pp_microbatches=1", "model.flavor=tiny4",
-      "parallelism.dp_shard=1"], "parallelism.pp_microbatches"),
-    (["parallelism.pp=2", "parallelism.pp_microbatches=3", "model.flavor=tiny4",
-      "parallelism.dp_shard=1", "training.local_batch_size=8"], "parallelism.pp_microbatches"),
+    (
+        ["parallelism.pp=2", "parallelism.pp_microbatches=1", "model.flavor=tiny4", "parallelism.dp_shard=1"],
+        "parallelism.pp_microbatches",
+    ),
+    (
+        [
+            "parallelism.pp=2",
+            "parallelism.pp_microbatches=3",
+            "model.flavor=tiny4",
+            "parallelism.dp_shard=1",
+            "training.local_batch_size=8",
+        ],
+        "parallelism.pp_microbatches",
+    ),
     (["parallelism.cp=2", "training.seq_len=250", "parallelism.dp_shard=1"], "training.seq_len"),
     (["parallelism.tp=0"], "parallelism.tp"),
     (["parallelism.dp_shard=0"], "parallelism.dp_shard"),
@@ -90,8 +105,10 @@ BAD = [
     (["model.n_heads=16", "model.n_kv_heads=6"], "model.n_kv_heads"),
     (["model.n_layers=-1"], "model.n_layers"),
     (["model.ffn_dim_multiplier=-1.3"], "model.ffn_dim_multiplier"),
-    (["model.n_kv_heads=2", "model.flavor=tiny", "parallelism.tp=4", "parallelism.dp_shard=1"],
-     "parallelism.tp"),  # tp divides the 8 heads, not the 2 kv heads
+    (
+        ["model.n_kv_heads=2", "model.flavor=tiny", "parallelism.tp=4", "parallelism.dp_shard=1"],
+        "parallelism.tp",
+    ),  # tp divides the 8 heads, not the 2 kv heads
     (["model.vocab_size=1001", "parallelism.tp=2", "parallelism.dp_shard=1"], "parallelism.tp"),
     (["model.n_layers=3", "parallelism.pp=4", "parallelism.dp_shard=1"], "parallelism.pp"),
 ]
@@ -179,8 +196,14 @@ def test_every_field_has_a_doc():
 
 def test_model_shape_overrides_validate():
     """model.dim, ... override the flavor; the checked shape is the one the trainer builds."""
-    shape = ["model.dim=256", "model.n_layers=6", "model.n_heads=16", "model.n_kv_heads=16",
-             "model.vocab_size=2048", "data.dataset=synthetic"]
+    shape = [
+        "model.dim=256",
+        "model.n_layers=6",
+        "model.n_heads=16",
+        "model.n_kv_heads=16",
+        "model.vocab_size=2048",
+        "data.dataset=synthetic",
+    ]
     cfg = _cfg([*shape, "parallelism.tp=2", "parallelism.dp_shard=1", "parallelism.pp=2"])
     a = model_args(cfg, 4352)
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (256, 6, 16, 16, 2048)

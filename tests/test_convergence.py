@@ -1,6 +1,7 @@
 """Loss convergence: the check on curves (fast, hand-made records), and the regression test that
 re-runs the first PREFIX_STEPS steps of each row through the launcher and compares them with the
 golden curves (results/golden/loss_convergence.json, written by `run-recipe convergence`)."""
+
 from __future__ import annotations
 
 import copy
@@ -31,9 +32,16 @@ def _records(offsets: dict[str, float], steps: int = 200, noise: float = 0.1) ->
         base = [8.3 * math.exp(-i / 40) + 4.0 + noise * math.sin(7.3 * i) for i in range(steps)]
         jitter = [0.01 * math.sin(3.1 * i + k) for i in range(steps)]
         off = offsets.get(r.id, 0.0)
-        recs[r.id] = {"recipe": r.id, "mode": "proxy", "config": cfg, "world_size": 2,
-                      "losses": [b + j + off for b, j in zip(base, jitter)],
-                      "versions": {"torch": "x"}, "hardware": {"device": "cpu"}, "wall_s": 1.0}
+        recs[r.id] = {
+            "recipe": r.id,
+            "mode": "proxy",
+            "config": cfg,
+            "world_size": 2,
+            "losses": [b + j + off for b, j in zip(base, jitter)],
+            "versions": {"torch": "x"},
+            "hardware": {"device": "cpu"},
+            "wall_s": 1.0,
+        }
     return recs
 
 
@@ -101,8 +109,9 @@ def test_resumed_run_is_stitched_from_metrics_and_checked(tmp_path):
     base = {"recipe": BASE, "config": {}, "losses": out["losses"]}
     assert not curves.comparable({**out, "config": {}}, base)
     # an inexact resume (replayed steps differ) makes the curve incomparable
-    (tmp_path / "metrics.jsonl").write_text((tmp_path / "metrics.jsonl").read_text()
-                                            + json.dumps({"step": 6, "loss": 8.0}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        (tmp_path / "metrics.jsonl").read_text() + json.dumps({"step": 6, "loss": 8.0}) + "\n"
+    )
     bad = conv._stitch(tmp_path, rec, attempts=2)
     assert any("resumed inexactly" in w for w in curves.comparable({**bad, "config": {}}, base))
 
@@ -127,9 +136,13 @@ def test_prefix_matches_golden(rid, tmp_path):
     t0 = time.perf_counter()
     rec, _ = conv.run_row(registry.get(rid), conv.prefix_overrides(k), run_dir=tmp_path / "run", echo=False)
     diff = max(abs(a - b) for a, b in zip(rec["losses"], gold))
-    print(f"{rid}: {k} steps in {time.perf_counter() - t0:.0f} s, max |Δ| vs golden {diff:.2e} "
-          f"(tolerance {tol:g}; golden made with {golden['versions']})")
+    print(
+        f"{rid}: {k} steps in {time.perf_counter() - t0:.0f} s, max |Δ| vs golden {diff:.2e} "
+        f"(tolerance {tol:g}; golden made with {golden['versions']})"
+    )
     assert len(rec["losses"]) == k
     assert rec["toggles_applied"] == golden["rows"][rid]["toggles_applied"]
-    assert diff <= tol, (f"{rid}: first {k} losses drift {diff:.2e} > {tol:g} from the golden curve\n"
-                         f"ours   {rec['losses']}\ngolden {gold}")
+    assert diff <= tol, (
+        f"{rid}: first {k} losses drift {diff:.2e} > {tol:g} from the golden curve\n"
+        f"ours   {rec['losses']}\ngolden {gold}"
+    )

@@ -20,13 +20,7 @@ from core.data.datasets import (
     check_hub_reachable,
     synthetic_document,
 )
-from core.data.tokenizer import (
-    LLAMA3_TOKENIZER_SHA256,
-    PROXY_TOKENIZER_SHA256,
-    ByteTokenizer,
-    Tokenizer,
-    _pieces,
-)
+from core.data.tokenizer import LLAMA3_TOKENIZER_SHA256, PROXY_TOKENIZER_SHA256, ByteTokenizer, Tokenizer, _pieces
 
 pytestmark = pytest.mark.core
 
@@ -157,10 +151,12 @@ def test_quicktok_vocab_parser():
 
 def test_gutenberg_boilerplate_and_documents():
     body = "\n\n".join(f"LINE {i}.\nSome verse that runs on for a while, {i}." for i in range(400))
-    raw = ("The Project Gutenberg EBook of Something\r\nLegal text.\r\n"
-           "*** START OF THIS PROJECT GUTENBERG EBOOK SOMETHING ***\r\n\r\n"
-           + body.replace("\n", "\r\n")
-           + "\r\n\r\nEnd of the Project Gutenberg EBook\r\n*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nmore legal")
+    raw = (
+        "The Project Gutenberg EBook of Something\r\nLegal text.\r\n"
+        "*** START OF THIS PROJECT GUTENBERG EBOOK SOMETHING ***\r\n\r\n"
+        + body.replace("\n", "\r\n")
+        + "\r\n\r\nEnd of the Project Gutenberg EBook\r\n*** END OF THIS PROJECT GUTENBERG EBOOK ***\r\nmore legal"
+    )
     text = offline_corpus.strip_gutenberg_boilerplate(raw)
     assert "Gutenberg" not in text and "legal" not in text.lower() and "\r" not in text
     assert text.strip() == body
@@ -176,6 +172,7 @@ def test_corpus_layout(corpus, assets_root):
     with gzip.open(en / "c4-train.00000-of-00004.json.gz", "rt") as f:
         rec = json.loads(f.readline())
     assert list(rec) == ["text", "timestamp", "url"] and len(rec["text"]) > 500
+
     def works(split):
         out = set()
         for p in en.glob(f"c4-{split}.*"):
@@ -233,8 +230,15 @@ def test_dp_slicing_gives_one_global_batch(dataset, proxy):
     tok = proxy if dataset == "c4_offline" else None
     reference = take(TokenWindowLoader(dataset, tokenizer=tok, seq_len=S, local_batch_size=global_batch), steps)
     for dp in (2, 4):
-        ranks = [take(TokenWindowLoader(dataset, tokenizer=tok, seq_len=S, local_batch_size=global_batch // dp,
-                                        dp_rank=r, dp_degree=dp), steps) for r in range(dp)]
+        ranks = [
+            take(
+                TokenWindowLoader(
+                    dataset, tokenizer=tok, seq_len=S, local_batch_size=global_batch // dp, dp_rank=r, dp_degree=dp
+                ),
+                steps,
+            )
+            for r in range(dp)
+        ]
         for step in range(steps):
             x = torch.cat([ranks[r][step][0] for r in range(dp)])
             y = torch.cat([ranks[r][step][1] for r in range(dp)])
@@ -247,7 +251,10 @@ def test_dp_slicing_gives_one_global_batch(dataset, proxy):
 @pytest.mark.parametrize("dataset", ["synthetic", "c4_offline"])
 def test_resume_continues_on_the_next_token(dataset, proxy):
     tok = proxy if dataset == "c4_offline" else None
-    make = lambda: TokenWindowLoader(dataset, tokenizer=tok, seq_len=100, local_batch_size=3)
+
+    def make():
+        return TokenWindowLoader(dataset, tokenizer=tok, seq_len=100, local_batch_size=3)
+
     uninterrupted = take(make(), 9)
     first = make()
     take(first, 4)
@@ -260,8 +267,9 @@ def test_resume_continues_on_the_next_token(dataset, proxy):
 
 def test_resume_across_the_end_of_the_corpus(proxy):
     # the validation split (~130k proxy tokens) ends after ~8 global batches of 16k tokens
-    make = lambda: TokenWindowLoader("c4_offline", tokenizer=proxy, seq_len=2047, local_batch_size=8,
-                                     split="validation")
+    def make():
+        return TokenWindowLoader("c4_offline", tokenizer=proxy, seq_len=2047, local_batch_size=8, split="validation")
+
     uninterrupted = make()
     ref = take(uninterrupted, 12)
     assert uninterrupted.epoch == 1
@@ -270,8 +278,9 @@ def test_resume_across_the_end_of_the_corpus(proxy):
     resumed = make()
     resumed.load_state_dict(first.state_dict())
     assert_batches_equal(take(resumed, 6), ref[6:])
-    finite = TokenWindowLoader("c4_offline", tokenizer=proxy, seq_len=2047, local_batch_size=8,
-                               split="validation", infinite=False)
+    finite = TokenWindowLoader(
+        "c4_offline", tokenizer=proxy, seq_len=2047, local_batch_size=8, split="validation", infinite=False
+    )
     n = sum(1 for _ in finite)
     assert 4 <= n < 12 and finite.epoch == 0
 
@@ -341,8 +350,10 @@ def test_build_dataloader_from_a_job_config(proxy, corpus):
 
     from core.data.datasets import build_dataloader
 
-    cfg = SimpleNamespace(data=SimpleNamespace(dataset="c4_offline", path=str(corpus)),
-                          training=SimpleNamespace(seq_len=32, local_batch_size=2, dataset_infinite=True))
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(dataset="c4_offline", path=str(corpus)),
+        training=SimpleNamespace(seq_len=32, local_batch_size=2, dataset_infinite=True),
+    )
     x, y = next(build_dataloader(cfg, proxy, dp_rank=1, dp_degree=2, vocab_size=proxy.n_words))
     assert x.shape == y.shape == (2, 32)
     cfg.data.dataset = "synthetic"

@@ -4,6 +4,7 @@ The paper rows run their real layout on a fake process group of their world size
 accounting is checked against torch's memory tracker on the real code (small models, same
 semantics: eager, rank 0, no allocator gap) and against torch's loss memory on real tensors.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,15 @@ def paper_cfg(rid: str):
 
 
 def small_cfg(*overrides: str, world: int):
-    base = ["model.flavor=\"tiny4\"", "training.seq_len=4096", "training.local_batch_size=2",
-            "training.mixed_precision_param=\"bfloat16\"", "training.mixed_precision_reduce=\"float32\"",
-            "data.dataset=\"synthetic\"", "job.mode=\"dry-run\""]
+    base = [
+        'model.flavor="tiny4"',
+        "training.seq_len=4096",
+        "training.local_batch_size=2",
+        'training.mixed_precision_param="bfloat16"',
+        'training.mixed_precision_reduce="float32"',
+        'data.dataset="synthetic"',
+        'job.mode="dry-run"',
+    ]
     cfg = load_config(overrides=[*base, *overrides])
     return validate(cfg, world_size=world, check_files=False)
 
@@ -48,21 +55,29 @@ def test_8b_table1_row_through_the_cli(tmp_path):
     """`run-recipe run <8B Table 1 row> --mode dry-run`: 8 fake ranks, FSDP 8, selective op AC,
     8K x 2; the tracked fake step and the accounting agree; the parts add up."""
     from recipes.cli import main
+
     rid = "llama3_8b/table1/8gpu_fsdp"
     t0 = time.perf_counter()
-    res = CliRunner().invoke(main, ["run", rid, "--mode", "dry-run", "--out", str(tmp_path / "run"),
-                                    "--records-dir", str(tmp_path / "rec")], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        ["run", rid, "--mode", "dry-run", "--out", str(tmp_path / "run"), "--records-dir", str(tmp_path / "rec")],
+        catch_exceptions=False,
+    )
     took = time.perf_counter() - t0
     assert res.exit_code == 0, res.output
     rec = json.loads((tmp_path / "rec" / "dry-run" / "llama3_8b__table1__8gpu_fsdp.json").read_text())
-    print(f"\n8B Table 1 dry-run: {took:.1f} s, estimate {rec['estimated_peak_gib']} GiB, "
-          f"tracker check {rec['tracker_check']}")
+    print(
+        f"\n8B Table 1 dry-run: {took:.1f} s, estimate {rec['estimated_peak_gib']} GiB, "
+        f"tracker check {rec['tracker_check']}"
+    )
     assert rec["composes"] is True and rec["world_size"] == 8
     assert {"fsdp", "ac:op"} <= set(rec["fake_step"]["toggles_applied"])
     assert abs(rec["tracker_check"]["difference_pct"]) < 1.0
     assert parts_sum(rec) == pytest.approx(rec["estimated_peak_gib"], abs=0.02)
-    assert rec["breakdown"]["params"] == pytest.approx(8.03e9 * 4 / 8 / 2 ** 30, rel=0.01)
-    assert rec["breakdown"]["optimizer"] == pytest.approx(2 * rec["breakdown"]["params"], abs=2e-3)  # parts are rounded to 1e-3 GiB
+    assert rec["breakdown"]["params"] == pytest.approx(8.03e9 * 4 / 8 / 2**30, rel=0.01)
+    assert rec["breakdown"]["optimizer"] == pytest.approx(
+        2 * rec["breakdown"]["params"], abs=2e-3
+    )  # parts are rounded to 1e-3 GiB
 
 
 @pytest.mark.slow
@@ -73,11 +88,12 @@ def test_405b_table3_row_composes_at_512_ranks():
     t0 = time.perf_counter()
     rec = R.dry_run(cfg)
     took = time.perf_counter() - t0
-    print(f"\n405B Table 3 dry-run: {took:.1f} s (build {rec['fake_step']['build_s']} s, step "
-          f"{rec['fake_step']['step_s']} s), estimate {rec['estimated_peak_gib']} GiB")
+    print(
+        f"\n405B Table 3 dry-run: {took:.1f} s (build {rec['fake_step']['build_s']} s, step "
+        f"{rec['fake_step']['step_s']} s), estimate {rec['estimated_peak_gib']} GiB"
+    )
     assert rec["composes"] is True, rec.get("error")
-    assert rec["world_size"] == 512 and rec["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1,
-                                                           "tp": 8, "pp": 8}
+    assert rec["world_size"] == 512 and rec["degrees"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8, "pp": 8}
     applied = set(rec["fake_step"]["toggles_applied"])
     assert {"tp", "sequence_parallel", "float8", "ac:full", "fsdp", "pp:1F1B"} <= applied
     assert "compile" in rec["fake_step"]["toggles_modelled"]
@@ -120,8 +136,8 @@ def test_fsdp_degree_divides_parameter_and_optimizer_state():
 
 
 def test_cp_halves_activations():
-    one = small_cfg("parallelism.dp_shard=2", "activation_checkpoint.mode=\"full\"", world=2)
-    two = small_cfg("parallelism.dp_shard=1", "parallelism.cp=2", "activation_checkpoint.mode=\"full\"", world=2)
+    one = small_cfg("parallelism.dp_shard=2", 'activation_checkpoint.mode="full"', world=2)
+    two = small_cfg("parallelism.dp_shard=1", "parallelism.cp=2", 'activation_checkpoint.mode="full"', world=2)
     e1, e2 = M.estimate_memory(one), M.estimate_memory(two)
     assert e2["layer_saved_gib"] == pytest.approx(e1["layer_saved_gib"] / 2)
     assert e2["breakdown"]["activations"] == pytest.approx(e1["breakdown"]["activations"] / 2, rel=1e-6)
@@ -173,6 +189,7 @@ def test_model_returns_the_logits_the_accounting_holds():
     import torch
 
     from core.models.llama3 import build_model
+
     out = build_model("tiny4", device="cpu", max_seq_len=8)(torch.zeros(1, 8, dtype=torch.long))
     assert out.element_size() == M.MODEL_LOGITS_BYTES
 
@@ -196,19 +213,45 @@ def test_bad_layouts_are_rejected():
 
 # ------------------------------------------------------------------ accounting vs torch
 CASES = {
-    "fsdp2_sac_every_other_mm": (["parallelism.dp_shard=2", "activation_checkpoint.mode=\"selective\"",
-                                  "activation_checkpoint.save_every_other_mm=true"], 2),
+    "fsdp2_sac_every_other_mm": (
+        [
+            "parallelism.dp_shard=2",
+            'activation_checkpoint.mode="selective"',
+            "activation_checkpoint.save_every_other_mm=true",
+        ],
+        2,
+    ),
     "fsdp2_no_ac": (["parallelism.dp_shard=2"], 2),
-    "fsdp2_full_ac_small_vocab": (["parallelism.dp_shard=2", "activation_checkpoint.mode=\"full\"",
-                                   "model.vocab_size=64"], 2),
-    "fsdp2_tp2_sac": (["parallelism.dp_shard=2", "parallelism.tp=2", "parallelism.loss_parallel=false",
-                       "activation_checkpoint.mode=\"selective\""], 4),
+    "fsdp2_full_ac_small_vocab": (
+        ["parallelism.dp_shard=2", 'activation_checkpoint.mode="full"', "model.vocab_size=64"],
+        2,
+    ),
+    "fsdp2_tp2_sac": (
+        [
+            "parallelism.dp_shard=2",
+            "parallelism.tp=2",
+            "parallelism.loss_parallel=false",
+            'activation_checkpoint.mode="selective"',
+        ],
+        4,
+    ),
     # CP: the accounting is 8% under the tracker at this scale (ring-attention buffers measured
     # in isolation; the extra at the peak is not pinned down), hence the wider tolerance.
-    "fsdp2_cp2_full_ac": (["parallelism.dp_shard=2", "parallelism.cp=2", "activation_checkpoint.mode=\"full\"",
-                           "model.vocab_size=64"], 4, 10.0),
-    "pp2_1f1b_rank0": (["parallelism.dp_shard=2", "parallelism.pp=2", "parallelism.pp_microbatches=2",
-                        "activation_checkpoint.mode=\"full\"", "model.vocab_size=64"], 4),
+    "fsdp2_cp2_full_ac": (
+        ["parallelism.dp_shard=2", "parallelism.cp=2", 'activation_checkpoint.mode="full"', "model.vocab_size=64"],
+        4,
+        10.0,
+    ),
+    "pp2_1f1b_rank0": (
+        [
+            "parallelism.dp_shard=2",
+            "parallelism.pp=2",
+            "parallelism.pp_microbatches=2",
+            'activation_checkpoint.mode="full"',
+            "model.vocab_size=64",
+        ],
+        4,
+    ),
 }
 
 
@@ -240,8 +283,14 @@ def test_loss_memory_matches_torch_on_real_tensors(tp):
     from core.train import cross_entropy_loss
 
     T, V = 1024, 512
-    cfg = small_cfg(f"parallelism.tp={tp}", "parallelism.dp_shard=1", f"model.vocab_size={V}",
-                    "training.seq_len=1024", "training.local_batch_size=1", world=tp)
+    cfg = small_cfg(
+        f"parallelism.tp={tp}",
+        "parallelism.dp_shard=1",
+        f"model.vocab_size={V}",
+        "training.seq_len=1024",
+        "training.local_batch_size=1",
+        world=tp,
+    )
     hm = M.head_memory(cfg)
     F.init_fake_process_group(tp)
     try:
@@ -301,9 +350,12 @@ PAPER_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("setting,layout", PAPER_SETTINGS, ids=["8b_8", "70b_256", "70b_256_default_batch", "405b_512", "8b_262k"])
+@pytest.mark.parametrize(
+    "setting,layout", PAPER_SETTINGS, ids=["8b_8", "70b_256", "70b_256_default_batch", "405b_512", "8b_262k"]
+)
 def test_advisor_reaches_the_paper_layout(setting, layout):
     from recipes.plan import candidates
+
     model, gpus, seq, lb = setting
     # the paper's 405B runs use Float8 with its FSDP all-gather (Tables 3 and 5)
     ranked = candidates(model, gpus, seq, 80.0, lb, float8=model == "405B")
@@ -314,8 +366,10 @@ def test_advisor_reaches_the_paper_layout(setting, layout):
 
 def test_plan_command():
     from recipes.cli import main
-    res = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "8", "--seq", "8192",
-                                    "--local-batch", "2"], catch_exceptions=False)
+
+    res = CliRunner().invoke(
+        main, ["plan", "--model", "8B", "--gpus", "8", "--seq", "8192", "--local-batch", "2"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     assert "proposed: FSDP 8" in res.output
     assert "paper (llama3_8b/table1/8gpu_fsdp): the same layout." in res.output

@@ -6,6 +6,7 @@ good state changed (digests before and after). The killed-rank-mid-save case is
 tests/test_checkpoint.py::test_killed_rank_restarts_from_last_checkpoint (marked `faults` too).
 Single-process cases run the real Trainer in this process; the multi-process one is `slow`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,13 +56,15 @@ def pg():
 
 
 def train(out: Path, *overrides: str) -> dict:
-    return run(validate(load_config(None, [*TINY_JOB, f"--job.output_dir={out}", *overrides]), 1,
-                        check_files=False))
+    return run(validate(load_config(None, [*TINY_JOB, f"--job.output_dir={out}", *overrides]), 1, check_files=False))
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def invoke(*args):
@@ -72,6 +75,7 @@ def invoke(*args):
 def no_spawn(monkeypatch):
     def boom(*a, **k):
         raise AssertionError(f"spawned a process: {a}")
+
     monkeypatch.setattr(subprocess, "Popen", boom)
     monkeypatch.setattr(subprocess, "run", boom)
 
@@ -113,17 +117,20 @@ def _damage(step: Path, how: str) -> str:
     shard = step / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     if how == "zeros_64k":
-        data[4096:4096 + 65536] = bytes(65536)
+        data[4096 : 4096 + 65536] = bytes(65536)
     elif how == "random_4k":
-        data[8192:8192 + 4096] = os.urandom(4096)
+        data[8192 : 8192 + 4096] = os.urandom(4096)
     elif how == "truncated":
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     elif how == "no_manifest":
         (step / "manifest.json").unlink()
         return "manifest.json: missing"
     shard.write_bytes(bytes(data))
-    return {"zeros_64k": "CRC32 mismatch at the same size", "random_4k": "CRC32 mismatch at the same size",
-            "truncated": "truncated"}[how]
+    return {
+        "zeros_64k": "CRC32 mismatch at the same size",
+        "random_4k": "CRC32 mismatch at the same size",
+        "truncated": "truncated",
+    }[how]
 
 
 @pytest.mark.parametrize("how", ["zeros_64k", "random_4k", "truncated", "no_manifest"])
@@ -163,8 +170,13 @@ def test_manifest_written_last_and_bit_identical_resume(two_steps, tmp_path):
     src, rec = two_steps
     man = json.loads((src / "checkpoint" / "step-2" / "manifest.json").read_text())
     assert man["algorithm"] == "crc32" and {".metadata", "__0_0.distcp"} <= set(man["files"])
-    resumed = train(tmp_path, *CKPT, "--training.steps=2", f"--checkpoint.resume_from={src / 'checkpoint'}",
-                    "--checkpoint.load_step=1")
+    resumed = train(
+        tmp_path,
+        *CKPT,
+        "--training.steps=2",
+        f"--checkpoint.resume_from={src / 'checkpoint'}",
+        "--checkpoint.load_step=1",
+    )
     assert resumed["losses"] == rec["losses"][1:]
 
 
@@ -226,8 +238,11 @@ def test_real_full_disk(pg, small_disk):
     out = small_disk / "run"
     train(out, *CKPT, "--training.steps=1")
     before = digest(out / "checkpoint")
-    with pytest.raises(CheckpointError, match=r"step-2\.tmp: checkpoint save of step 2 failed: no space left on "
-                                              r"device: a checkpoint needs about 8\.\d MiB, [0-9.]+ MiB free"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-2\.tmp: checkpoint save of step 2 failed: no space left on "
+        r"device: a checkpoint needs about 8\.\d MiB, [0-9.]+ MiB free",
+    ):
         train(out, *CKPT, "--training.steps=3", "--checkpoint.interval=1")
     assert digest(out / "checkpoint") == before and list(complete_steps(out / "checkpoint")) == [1]
 
@@ -249,14 +264,17 @@ def test_second_run_on_a_locked_folder_is_refused(tmp_path, no_spawn):
 def test_stale_lock_is_reported_and_taken_over(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / launcher.LOCK).write_text(json.dumps({"host": launcher.socket.gethostname(), "pid": dead.pid,
-                                                      "started": "2026-01-01T00:00:00+00:00"}))
+    (tmp_path / launcher.LOCK).write_text(
+        json.dumps({"host": launcher.socket.gethostname(), "pid": dead.pid, "started": "2026-01-01T00:00:00+00:00"})
+    )
     with launcher.run_dir_lock(tmp_path) as lock:
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert f"stale lock of pid {dead.pid}" in capsys.readouterr().err
     (tmp_path / launcher.LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
-    with pytest.raises(launcher.RunDirBusy, match=r"pid 1 on host elsewhere.*remove the lock file"), \
-            launcher.run_dir_lock(tmp_path):
+    with (
+        pytest.raises(launcher.RunDirBusy, match=r"pid 1 on host elsewhere.*remove the lock file"),
+        launcher.run_dir_lock(tmp_path),
+    ):
         pass
 
 
@@ -312,33 +330,55 @@ def not_a_tokenizer(tmp_path_factory):
 
 
 BAD_SETS = [  # (--set value, the key the message names)
-    ("optimizer.lr=nan", "optimizer.lr"), ("optimizer.lr=inf", "optimizer.lr"), ("optimizer.lr=0", "optimizer.lr"),
-    ("optimizer.lr=-1e-3", "optimizer.lr"), ("optimizer.beta1=2", "optimizer.beta1"),
-    ("optimizer.beta1=1", "optimizer.beta1"), ("optimizer.beta1=-0.1", "optimizer.beta1"),
-    ("optimizer.beta2=1.5", "optimizer.beta2"), ("optimizer.beta2=nan", "optimizer.beta2"),
-    ("optimizer.eps=0", "optimizer.eps"), ("optimizer.eps=-1e-8", "optimizer.eps"),
-    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"), ("optimizer.weight_decay=nan", "optimizer.weight_decay"),
-    ("optimizer.name=Lion", "optimizer.name"), ("optimizer.lr='fast'", "optimizer.lr"),
+    ("optimizer.lr=nan", "optimizer.lr"),
+    ("optimizer.lr=inf", "optimizer.lr"),
+    ("optimizer.lr=0", "optimizer.lr"),
+    ("optimizer.lr=-1e-3", "optimizer.lr"),
+    ("optimizer.beta1=2", "optimizer.beta1"),
+    ("optimizer.beta1=1", "optimizer.beta1"),
+    ("optimizer.beta1=-0.1", "optimizer.beta1"),
+    ("optimizer.beta2=1.5", "optimizer.beta2"),
+    ("optimizer.beta2=nan", "optimizer.beta2"),
+    ("optimizer.eps=0", "optimizer.eps"),
+    ("optimizer.eps=-1e-8", "optimizer.eps"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"),
+    ("optimizer.weight_decay=nan", "optimizer.weight_decay"),
+    ("optimizer.name=Lion", "optimizer.name"),
+    ("optimizer.lr='fast'", "optimizer.lr"),
     ("lr_scheduler.min_lr_factor=2", "lr_scheduler.min_lr_factor"),
     ("lr_scheduler.warmup_steps=-1", "lr_scheduler.warmup_steps"),
     ("lr_scheduler.decay_type=step", "lr_scheduler.decay_type"),
-    ("training.max_norm=nan", "training.max_norm"), ("training.steps=0", "training.steps"),
-    ("training.steps=1.5", "training.steps"), ("training.local_batch_size=0", "training.local_batch_size"),
-    ("training.seq_len=0", "training.seq_len"), ("training.grad_accum_steps=0", "training.grad_accum_steps"),
+    ("training.max_norm=nan", "training.max_norm"),
+    ("training.steps=0", "training.steps"),
+    ("training.steps=1.5", "training.steps"),
+    ("training.local_batch_size=0", "training.local_batch_size"),
+    ("training.seq_len=0", "training.seq_len"),
+    ("training.grad_accum_steps=0", "training.grad_accum_steps"),
     ("training.skip_nonfinite_steps=-1", "training.skip_nonfinite_steps"),
     ("training.mixed_precision_param=fp8", "training.mixed_precision_param"),
-    ("parallelism.dp_shard=64", "job.proxy_world_limit"), ("parallelism.dp_shard=0", "parallelism.dp_shard"),
-    ("parallelism.tp=0", "parallelism.tp"), ("parallelism.tp=3", "parallelism"),
-    ("model.flavor=nope", "model.flavor"), ("checkpoint.interval=0", "checkpoint.interval"),
-    ("checkpoint.keep_latest_k=-1", "checkpoint.keep_latest_k"), ("checkpoint.load_step=-2", "checkpoint.load_step"),
-    ("checkpoint.folder='/abs'", "checkpoint.folder"), ("checkpoint.async_mode=sometimes", "checkpoint.async_mode"),
+    ("parallelism.dp_shard=64", "job.proxy_world_limit"),
+    ("parallelism.dp_shard=0", "parallelism.dp_shard"),
+    ("parallelism.tp=0", "parallelism.tp"),
+    ("parallelism.tp=3", "parallelism"),
+    ("model.flavor=nope", "model.flavor"),
+    ("checkpoint.interval=0", "checkpoint.interval"),
+    ("checkpoint.keep_latest_k=-1", "checkpoint.keep_latest_k"),
+    ("checkpoint.load_step=-2", "checkpoint.load_step"),
+    ("checkpoint.folder='/abs'", "checkpoint.folder"),
+    ("checkpoint.async_mode=sometimes", "checkpoint.async_mode"),
     ("checkpoint.resume_from='/nowhere/at/all'", "checkpoint.resume_from"),
-    ("comm.train_timeout_seconds=0", "comm.train_timeout_seconds"), ("comm.trace_buf_size=-1", "comm.trace_buf_size"),
-    ("metrics.log_freq=0", "metrics.log_freq"), ("metrics.peak_flops=-1", "metrics.peak_flops"),
-    ("job.proxy_world_limit=0", "job.proxy_world_limit"), ("data.dataset=imagenet", "data.dataset"),
-    ("data.path='/nowhere/corpus'", "data.path"), ("activation_checkpoint.mode=most", "activation_checkpoint.mode"),
-    ("tokenizer.sha256='00ff'", "tokenizer.path"), ("nosection.key=1", "nosection"),
-    ("optimizer.nokey=1", "optimizer.nokey"), ("optimizer.lr", "optimizer.lr"),
+    ("comm.train_timeout_seconds=0", "comm.train_timeout_seconds"),
+    ("comm.trace_buf_size=-1", "comm.trace_buf_size"),
+    ("metrics.log_freq=0", "metrics.log_freq"),
+    ("metrics.peak_flops=-1", "metrics.peak_flops"),
+    ("job.proxy_world_limit=0", "job.proxy_world_limit"),
+    ("data.dataset=imagenet", "data.dataset"),
+    ("data.path='/nowhere/corpus'", "data.path"),
+    ("activation_checkpoint.mode=most", "activation_checkpoint.mode"),
+    ("tokenizer.sha256='00ff'", "tokenizer.path"),
+    ("nosection.key=1", "nosection"),
+    ("optimizer.nokey=1", "optimizer.nokey"),
+    ("optimizer.lr", "optimizer.lr"),
 ]
 
 
@@ -359,9 +399,17 @@ def test_not_a_tokenizer_refused_before_spawn(tmp_path, no_spawn, not_a_tokenize
     assert res.exit_code == 2 and "tokenizer.path" in res.output and "not a readable tokenizer" in res.output
 
 
-@pytest.mark.parametrize("args", [("run", "nope/row"), ("run", ROW, "--mode", "fast"), ("run",),
-                                  ("run", ROW, "--mode", "proxy", "--slurm"), ("show", "nope/row"),
-                                  ("show", ROW, "--set", "optimizer.beta1=2")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("run", "nope/row"),
+        ("run", ROW, "--mode", "fast"),
+        ("run",),
+        ("run", ROW, "--mode", "proxy", "--slurm"),
+        ("show", "nope/row"),
+        ("show", ROW, "--set", "optimizer.beta1=2"),
+    ],
+)
 def test_bad_ids_modes_options_refused(tmp_path, no_spawn, args):
     res = invoke(*args)
     assert res.exit_code == 2, res.output
@@ -418,9 +466,20 @@ def test_malformed_corpus_line_named_or_skipped(pg, tmp_path, bad):
 def test_nan_grad_world2_one_line_nonzero_exit(tmp_path):
     """world 2 (FSDP), lr=1e6, a checkpoint every step: exit 1, one 'error:' line (rank 0), no
     traceback, step-1 the latest and finite."""
-    cmd = launcher.torchrun_command(2, launcher.trainer_target(None, [
-        *TINY_JOB, *NAN, "--training.steps=4", "--parallelism.dp_shard=2", "--training.local_batch_size=4",
-        f"--job.output_dir={tmp_path}"]))
+    cmd = launcher.torchrun_command(
+        2,
+        launcher.trainer_target(
+            None,
+            [
+                *TINY_JOB,
+                *NAN,
+                "--training.steps=4",
+                "--parallelism.dp_shard=2",
+                "--training.local_batch_size=4",
+                f"--job.output_dir={tmp_path}",
+            ],
+        ),
+    )
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=dist_env(2), capture_output=True, text=True, timeout=600)
     text = proc.stdout + proc.stderr
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
@@ -438,8 +497,19 @@ def test_two_runs_on_one_folder(tmp_path):
     """`run-recipe run --out D` twice, the second while the first trains: the second exits 2 naming
     the first (pid, host) before spawning anything; the first's files are its own and it exits 0."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "recipes.cli", "run", ROW, "--out", str(out), "--set", "training.steps=12",
-            "--set", "metrics.progress=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "recipes.cli",
+        "run",
+        ROW,
+        "--out",
+        str(out),
+        "--set",
+        "training.steps=12",
+        "--set",
+        "metrics.progress=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,4 +1,5 @@
 """FSDP2 and HSDP on CPU gloo against the single-process fp32 reference loop (issue: core)."""
+
 import pytest
 
 from core.config import load_config

@@ -7,21 +7,8 @@ import torch
 
 from core.config import load_config
 from core.models.args import model_args, param_count, shape_record
-from core.models.hf_convert import (
-    from_hf_state_dict,
-    hf_config,
-    load_hf,
-    save_hf,
-    to_hf_state_dict,
-)
-from core.models.llama3 import (
-    FLAVORS,
-    ModelArgs,
-    Transformer,
-    build_model,
-    count_params,
-    precompute_freqs_cis,
-)
+from core.models.hf_convert import from_hf_state_dict, hf_config, load_hf, save_hf, to_hf_state_dict
+from core.models.llama3 import FLAVORS, ModelArgs, Transformer, build_model, count_params, precompute_freqs_cis
 
 pytestmark = pytest.mark.core
 
@@ -74,12 +61,20 @@ def test_model_args_from_the_job_config():
     assert param_count(a) == count_params(build_model(a))
 
 
-
 def test_model_shape_from_the_job_config():
     """model.dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of override the flavor
     (0 keeps it); the module built from the args has the analytic parameter count."""
-    cfg = load_config(overrides=["model.flavor=debug", "model.dim=128", "model.n_layers=3", "model.n_heads=4",
-                                 "model.n_kv_heads=2", "model.ffn_dim_multiplier=1.3", "model.multiple_of=64"])
+    cfg = load_config(
+        overrides=[
+            "model.flavor=debug",
+            "model.dim=128",
+            "model.n_layers=3",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.ffn_dim_multiplier=1.3",
+            "model.multiple_of=64",
+        ]
+    )
     a = model_args(cfg, 1000)
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (128, 3, 4, 2, 1000)
     assert a.ffn_hidden_dim == 448  # int(1.3 * 341) = 443 -> multiple of 64
@@ -88,6 +83,7 @@ def test_model_shape_from_the_job_config():
     model = build_model(a)
     assert len(model.layers) == 3 and param_count(a) == count_params(model)
     assert shape_record(a)["param_count"] == param_count(a) and shape_record(a)["ffn_hidden_dim"] == 448
+
 
 def _materialize(flavor, seed):
     torch.manual_seed(seed)
@@ -110,9 +106,9 @@ def test_meta_init_deterministic_and_seeded():
     assert abs(sa["tok_embeddings.weight"].std().item() - 1.0) < 0.05
     assert torch.equal(sa["norm.weight"], torch.ones(64))
     wo0, wo1 = sa["layers.0.attention.wo.weight"].std(), sa["layers.1.attention.wo.weight"].std()
-    assert abs(wo0 / 0.02 * 2 ** 0.5 - 1) < 0.1 and abs(wo1 / 0.02 * 4 ** 0.5 - 1) < 0.1
+    assert abs(wo0 / 0.02 * 2**0.5 - 1) < 0.1 and abs(wo1 / 0.02 * 4**0.5 - 1) < 0.1
     out = sa["output.weight"]
-    assert out.abs().max() <= 3 * 64 ** -0.5
+    assert out.abs().max() <= 3 * 64**-0.5
     # A forward pass gives finite logits of the right shape.
     logits = a(torch.randint(0, a.args.vocab_size, (2, 16)))
     assert logits.shape == (2, 16, a.args.vocab_size) and torch.isfinite(logits).all()
@@ -121,9 +117,18 @@ def test_meta_init_deterministic_and_seeded():
 # A small model where Llama 3.1 scaling matters: head_dim 16 with theta 5e5 has wavelengths
 # 6.3, 32.6, 167, ... tokens; an original context of 64 puts them in all three scaling bands
 # (kept, blended, divided by 8) and a 96-token input runs past it.
-PARITY_ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-                        ffn_dim_multiplier=1.3, rope_theta=500000.0, rope_original_max_seq_len=64,
-                        max_seq_len=128)
+PARITY_ARGS = ModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    multiple_of=32,
+    ffn_dim_multiplier=1.3,
+    rope_theta=500000.0,
+    rope_original_max_seq_len=64,
+    max_seq_len=128,
+)
 
 
 @pytest.mark.parametrize("rope_scaling", [True, False])
@@ -131,8 +136,9 @@ def test_logits_match_transformers(rope_scaling):
     transformers = pytest.importorskip("transformers")
     args = dataclasses.replace(PARITY_ARGS, rope_scaling=rope_scaling)
     if rope_scaling:
-        assert not torch.equal(precompute_freqs_cis(args),
-                               precompute_freqs_cis(dataclasses.replace(args, rope_scaling=False)))
+        assert not torch.equal(
+            precompute_freqs_cis(args), precompute_freqs_cis(dataclasses.replace(args, rope_scaling=False))
+        )
     torch.manual_seed(0)
     ours = build_model(args, device="cpu").eval()
     with torch.no_grad():  # sharpen attention so positions (RoPE layout, scaling) really matter

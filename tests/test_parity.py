@@ -4,6 +4,7 @@ The multi-process cases share one torchrun per (world size, dtype) (`recipes.stu
 the real trainer run job after job) to keep start-up time down; each case still compares its
 own per-step losses with the reference directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,11 @@ class _Runs:
     def get(self, name: str, dtype: str) -> dict:
         if (name, dtype) not in self.rows:
             world = P.BY_NAME[name].world_size
-            names = {n for n, d in self.selected | {(name, dtype)}
-                     if d == dtype and P.BY_NAME[n].world_size == world and (n, d) not in self.rows}
+            names = {
+                n
+                for n, d in self.selected | {(name, dtype)}
+                if d == dtype and P.BY_NAME[n].world_size == world and (n, d) not in self.rows
+            }
             group = [layout for layout in P.LAYOUTS if layout.name in names]
             for row in P.run_grouped(group, dtype, self.root / dtype):
                 self.rows[(row["layout"], dtype)] = row
@@ -78,8 +82,9 @@ def test_layout_loss_parity(parity_runs, name, dtype):
     assert row["steps"] == P.STEPS
     assert row["clipped_steps"] > 0, "clipping never acted: the sharded grad norm would go untested"
     assert row["tolerance"] == (P.BY_NAME[name].tolerance or P.TOLERANCE[dtype])
-    assert row["max_abs_diff"] <= row["tolerance"], \
+    assert row["max_abs_diff"] <= row["tolerance"], (
         f"{name}: {row['max_abs_diff']:.3e}\n layout    {row['losses']}\n reference {row['reference']}"
+    )
     # layouts with their own loss tolerance (float8) get the low-precision grad-norm bound
     rtol = GRAD_NORM_RTOL["bf16" if P.BY_NAME[name].tolerance else dtype]
     assert row["grad_norm_max_rel_diff"] <= rtol, row["grad_norm_max_rel_diff"]
@@ -109,8 +114,9 @@ def test_reference_matches_golden(dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dtype", [("fsdp2_tp2", "fp32"), ("fsdp2_cp2", "fp32"),
-                                        ("pp2_interleaved1f1b", "fp32"), ("fsdp2", "bf16")])
+@pytest.mark.parametrize(
+    "name,dtype", [("fsdp2_tp2", "fp32"), ("fsdp2_cp2", "fp32"), ("pp2_interleaved1f1b", "fp32"), ("fsdp2", "bf16")]
+)
 def test_layout_matches_golden(parity_runs, name, dtype):
     """A layout's losses today against its stored golden losses (shares the parity runs)."""
     golden = _golden(dtype)
@@ -124,9 +130,23 @@ def test_layout_matches_golden(parity_runs, name, dtype):
 # ------------------------------------------------------------------------- suite and bad input
 def test_layout_list_covers_the_issue():
     names = set(P.BY_NAME)
-    for required in ["fsdp2", "fsdp4", "fsdp8", "hsdp2x2", "tp2", "tp4", "fsdp2_tp2", "fsdp4_tp2",
-                     "cp2_allgather", "cp2_alltoall", "cp4_allgather", "cp4_alltoall", "fsdp2_cp2",
-                     "fsdp2_tp2_pp2", "fsdp2_tp2_pp2_cp2"]:
+    for required in [
+        "fsdp2",
+        "fsdp4",
+        "fsdp8",
+        "hsdp2x2",
+        "tp2",
+        "tp4",
+        "fsdp2_tp2",
+        "fsdp4_tp2",
+        "cp2_allgather",
+        "cp2_alltoall",
+        "cp4_allgather",
+        "cp4_alltoall",
+        "fsdp2_cp2",
+        "fsdp2_tp2_pp2",
+        "fsdp2_tp2_pp2_cp2",
+    ]:
         assert required in names
     for pp in (2, 4):
         for schedule in P.PP_SCHEDULES:
@@ -138,14 +158,19 @@ def test_layout_list_covers_the_issue():
     assert P.BY_NAME["fsdp2_tp2_pp2_cp2"].world_size == 16
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["parallelism.tp=3", "parallelism.dp_shard=1"], "parallelism.tp"),  # tiny: 8 heads
-    (["parallelism.tp=8", "parallelism.dp_shard=1"], "parallelism.tp"),  # tiny: 4 kv heads
-    (["parallelism.cp=2", "training.seq_len=66", "parallelism.dp_shard=1"], "training.seq_len"),
-    (["parallelism.cp=4", "training.seq_len=68", "parallelism.dp_shard=1"], "training.seq_len"),
-    (["parallelism.cp=2", "parallelism.tp=4", "training.seq_len=36", "parallelism.dp_shard=1"],
-     "training.seq_len"),  # 18 tokens per cp rank do not split over tp 4
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["parallelism.tp=3", "parallelism.dp_shard=1"], "parallelism.tp"),  # tiny: 8 heads
+        (["parallelism.tp=8", "parallelism.dp_shard=1"], "parallelism.tp"),  # tiny: 4 kv heads
+        (["parallelism.cp=2", "training.seq_len=66", "parallelism.dp_shard=1"], "training.seq_len"),
+        (["parallelism.cp=4", "training.seq_len=68", "parallelism.dp_shard=1"], "training.seq_len"),
+        (
+            ["parallelism.cp=2", "parallelism.tp=4", "training.seq_len=36", "parallelism.dp_shard=1"],
+            "training.seq_len",
+        ),  # 18 tokens per cp rank do not split over tp 4
+    ],
+)
 def test_bad_tp_cp_config_refused_before_spawn(overrides, key):
     cfg = load_config(None, ["model.flavor=tiny", "data.dataset=synthetic", *overrides])
     with pytest.raises(ConfigError) as e:
@@ -159,10 +184,24 @@ def test_cli_refuses_bad_layout_name():
 
 
 def test_results_writer_merges_and_keeps_columns(tmp_path):
-    row = {"layout": "fsdp2", "world_size": 2, "dtype": "fp32", "steps": 10, "max_abs_diff": 9.5e-7,
-           "tolerance": 1e-5, "passed": True, "losses": [1.0] * 10, "reference": [1.0] * 10,
-           "step_time_s": 0.1, "peak_memory_gib_per_rank": [0.3, 0.3], "memory_kind": "cpu peak RSS",
-           "clipped_steps": 10, "grad_norm_max_rel_diff": 1e-7, "versions": {}, "overrides": []}
+    row = {
+        "layout": "fsdp2",
+        "world_size": 2,
+        "dtype": "fp32",
+        "steps": 10,
+        "max_abs_diff": 9.5e-7,
+        "tolerance": 1e-5,
+        "passed": True,
+        "losses": [1.0] * 10,
+        "reference": [1.0] * 10,
+        "step_time_s": 0.1,
+        "peak_memory_gib_per_rank": [0.3, 0.3],
+        "memory_kind": "cpu peak RSS",
+        "clipped_steps": 10,
+        "grad_norm_max_rel_diff": 1e-7,
+        "versions": {},
+        "overrides": [],
+    }
     P.write_results([row], tmp_path)
     P.write_results([dict(row, dtype="bf16", tolerance=1e-3)], tmp_path)
     P.write_results([P.failed_row(P.BY_NAME["tp2"], "fp32", "boom")], tmp_path)
@@ -184,6 +223,7 @@ def test_float8_tp_styles_need_converted_linears():
     # torchao here only: its import prints kernel warnings every other test would show
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
     toggles = Toggles()
     if torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """The dry-run performance model (core/dryrun/runtime.py): physics, GPU specs, speed, the FLOP
 count against torch's counter, and the goals against the paper's throughput tables."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,12 @@ ROWS = [r.id for r in registry.all_recipes()]
 def test_more_bandwidth_never_slows_a_row():
     base = G.load_spec(PAPER)
     for factor in (2.0, 10.0):
-        faster = dataclasses.replace(base, hbm_bandwidth=base.hbm_bandwidth * factor,
-                                     nvlink_bandwidth=base.nvlink_bandwidth * factor,
-                                     network_bandwidth=base.network_bandwidth * factor)
+        faster = dataclasses.replace(
+            base,
+            hbm_bandwidth=base.hbm_bandwidth * factor,
+            nvlink_bandwidth=base.nvlink_bandwidth * factor,
+            network_bandwidth=base.network_bandwidth * factor,
+        )
         for rid in ROWS:
             assert tps(rid, faster) >= tps(rid, base) * (1 - 1e-9), (rid, factor)
     # each link alone too
@@ -75,8 +79,13 @@ def test_one_gpu_per_node_makes_tp_slower():
 
 
 def test_free_communication_leaves_compute_memory_and_bubbles():
-    free = spec(nvlink_bandwidth=math.inf, network_bandwidth=math.inf, nvlink_latency_s=0.0,
-                network_latency_s=0.0, collective_base_latency_s=0.0)
+    free = spec(
+        nvlink_bandwidth=math.inf,
+        network_bandwidth=math.inf,
+        nvlink_latency_s=0.0,
+        network_latency_s=0.0,
+        collective_base_latency_s=0.0,
+    )
     for rid in ROWS:
         p = predict(cfg_of(rid), free, memory=NO_MEM)
         b = p["breakdown"]
@@ -97,8 +106,14 @@ def test_breakdown_adds_up_to_the_step():
     for rid in ROWS:
         p = predict(cfg_of(rid), PAPER, memory=NO_MEM)
         b = p["breakdown"]
-        total = (b["compute"] + b["memory_bound"] + b["recompute"] + b["bubble"] + b["optimizer"]
-                 + sum(b["exposed_comm"].values()))
+        total = (
+            b["compute"]
+            + b["memory_bound"]
+            + b["recompute"]
+            + b["bubble"]
+            + b["optimizer"]
+            + sum(b["exposed_comm"].values())
+        )
         assert p["step_time_s"] == pytest.approx(total, rel=1e-6), rid
         assert all(v >= 0 for k, v in b.items() if k != "exposed_comm")
 
@@ -118,12 +133,20 @@ def _paper_toml() -> dict:
     from importlib import resources
 
     import tomllib
+
     return tomllib.loads((resources.files("core.dryrun") / "hardware" / f"{PAPER}.toml").read_text())
 
 
-@pytest.mark.parametrize("section,field,value", [
-    ("links", "gpus_per_node", None), ("compute", "peak_bf16_flops", 0), ("memory", "hbm_bandwidth", -1.0),
-    ("efficiency", "nccl_rdma", 1.5), ("links", "network_latency_s", "fast")])
+@pytest.mark.parametrize(
+    "section,field,value",
+    [
+        ("links", "gpus_per_node", None),
+        ("compute", "peak_bf16_flops", 0),
+        ("memory", "hbm_bandwidth", -1.0),
+        ("efficiency", "nccl_rdma", 1.5),
+        ("links", "network_latency_s", "fast"),
+    ],
+)
 def test_bad_spec_is_refused_naming_the_field(section, field, value):
     data = _paper_toml()
     if value is None:
@@ -138,14 +161,17 @@ def test_run_refuses_unknown_gpu_before_running(tmp_path):
     from click.testing import CliRunner
 
     from recipes.cli import main
-    res = CliRunner().invoke(main, ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "dry-run", "--gpu", "b300",
-                                    "--out", str(tmp_path / "x")])
+
+    res = CliRunner().invoke(
+        main, ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "dry-run", "--gpu", "b300", "--out", str(tmp_path / "x")]
+    )
     assert res.exit_code != 0
     assert "h100_sxm_80gb" in res.output and not (tmp_path / "x").exists()
 
 
 def test_dry_run_record_has_the_prediction():
     from core.dryrun.record import dry_run
+
     rec = dry_run(cfg_of("llama3_8b/table1/8gpu_fsdp"), fake=False, gpu="h200_141gb")
     p = rec["predicted"]
     assert p["gpu"] == "h200_141gb" and p["tokens_per_sec_per_gpu"] > 0 and p["step_time_s"] > 0
@@ -164,6 +190,7 @@ def test_all_rows_predicted_fast():
 
 def test_plan_ranks_100_candidates_by_speed_fast():
     from recipes.plan import candidates
+
     t0 = time.perf_counter()
     n = 0
     for model, gpus, seq, lb in (("405B", 512, 8192, 32), ("70B", 256, 8192, 16), ("8B", 64, 8192, 2)):
@@ -182,8 +209,12 @@ def test_plan_json(tmp_path):
     from click.testing import CliRunner
 
     from recipes.cli import main
-    res = CliRunner().invoke(main, ["plan", "--model", "70B", "--gpus", "64", "--global-batch", "64",
-                                    "--gpu", "h100_sxm_80gb", "--json"], catch_exceptions=False)
+
+    res = CliRunner().invoke(
+        main,
+        ["plan", "--model", "70B", "--gpus", "64", "--global-batch", "64", "--gpu", "h100_sxm_80gb", "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     ranked = json.loads(res.output)
     assert ranked and all(r["gpu"] == "h100_sxm_80gb" for r in ranked)
@@ -209,17 +240,29 @@ def test_flop_counter_agrees_with_the_analytic_count():
     from core.dryrun import fake_step as F
     from core.dryrun.runtime import analytic_flops
     from core.validate import validate
+
     aten = torch.ops.aten
     fwd_op = aten._scaled_dot_product_flash_attention_for_cpu
     bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
     from torch.utils.flop_counter import flop_registry
+
     if fwd_op not in flop_registry:
-        register_flop_formula(fwd_op, get_raw=True)(lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape))
+        register_flop_formula(fwd_op, get_raw=True)(
+            lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape)
+        )
         register_flop_formula(bwd_op, get_raw=True)(
-            lambda go, q, k, v, *a, **kw: sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape))
-    base = ['model.flavor="tiny4"', "training.seq_len=512", "training.local_batch_size=2",
-            'training.mixed_precision_param="bfloat16"', 'training.mixed_precision_reduce="float32"',
-            'data.dataset="synthetic"', 'job.mode="dry-run"', "parallelism.dp_shard=2"]
+            lambda go, q, k, v, *a, **kw: sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape)
+        )
+    base = [
+        'model.flavor="tiny4"',
+        "training.seq_len=512",
+        "training.local_batch_size=2",
+        'training.mixed_precision_param="bfloat16"',
+        'training.mixed_precision_reduce="float32"',
+        'data.dataset="synthetic"',
+        'job.mode="dry-run"',
+        "parallelism.dp_shard=2",
+    ]
     cfg = validate(load_config(overrides=base), world_size=2, check_files=False)
     with FlopCounterMode(display=False) as fc:
         F.fake_step(cfg, track=False, isolate=False)
@@ -236,14 +279,20 @@ PCT_GOAL, ROWS_GOAL = 15.0, 15
 
 def _effects() -> list[dict]:
     from recipes.dryrun_table import published_effects
-    ref = {r.id: r.reference["paper_tps_per_gpu"] for r in registry.all_recipes() if r.reference.get("paper_tps_per_gpu")}
+
+    ref = {
+        r.id: r.reference["paper_tps_per_gpu"] for r in registry.all_recipes() if r.reference.get("paper_tps_per_gpu")
+    }
     return published_effects({rid: tps(rid) for rid in ref}, ref)
 
 
 def test_goals_against_the_paper():
     """Reports every goal; asserts those the model meets today (a regression fails the test)."""
-    rows = [(r.id, r.reference["paper_tps_per_gpu"], tps(r.id)) for r in registry.all_recipes()
-            if r.reference.get("paper_tps_per_gpu")]
+    rows = [
+        (r.id, r.reference["paper_tps_per_gpu"], tps(r.id))
+        for r in registry.all_recipes()
+        if r.reference.get("paper_tps_per_gpu")
+    ]
     within = [rid for rid, paper, ours in rows if abs(ours - paper) / paper * 100 <= PCT_GOAL]
     print(f"\npredicted TPS/GPU within {PCT_GOAL:.0f}%: {len(within)} of {len(rows)} (goal {ROWS_GOAL})")
     for rid, paper, ours in rows:
@@ -253,8 +302,10 @@ def test_goals_against_the_paper():
     assert len(effects) == 12
     for e in effects:
         met[e["effect"]] = e["met"]
-        print(f"  {e['effect']:60s} paper {e['paper']:6.1f}  predicted {e['predicted']:6.1f}  "
-              f"{'met' if e['met'] else 'MISSED'}")
+        print(
+            f"  {e['effect']:60s} paper {e['paper']:6.1f}  predicted {e['predicted']:6.1f}  "
+            f"{'met' if e['met'] else 'MISSED'}"
+        )
     # What the model meets today (see the report for the misses and why).
     assert len(within) >= MET_ROWS
     for name in MET_EFFECTS:
@@ -280,6 +331,7 @@ def test_calibrated_constants_are_what_the_named_rows_give():
     """The paper spec's two calibrated constants are reproducible from their named rows; the rows
     are named in the prediction's calibration note; the other specs calibrate nothing."""
     from core.dryrun import calibrate
+
     rows = {k: (cfg_of(rid), registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
     fitted = calibrate.fit(rows)
     stored = G.load_spec(PAPER)

@@ -1,5 +1,6 @@
 """Pipeline parallelism: stage split, every torch schedule against the single-process run,
 gradient scale, PP x FSDP2 (x TP), bf16 without FSDP, bubble fractions, bad input (issue 3)."""
+
 from __future__ import annotations
 
 import functools
@@ -30,13 +31,13 @@ def _job(flavor: str, dp: int = 1, *extra: str) -> list[str]:
 
 
 def _pp(schedule: str, pp: int = 2, micro: int = 4) -> list[str]:
-    return [f"--parallelism.pp={pp}", f"--parallelism.pp_schedule={schedule}",
-            f"--parallelism.pp_microbatches={micro}"]
+    return [f"--parallelism.pp={pp}", f"--parallelism.pp_schedule={schedule}", f"--parallelism.pp_microbatches={micro}"]
 
 
 # ------------------------------------------------------------------------------- unit (fast)
 def test_config_names_match_the_installed_torch():
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     lib = library_schedules()
     assert set(lib) == set(PP_SCHEDULES), "core.parallel.stages.PP_SCHEDULES is out of sync with torch"
     for name, cls in lib.items():
@@ -53,9 +54,14 @@ def test_split_layers():
     assert [len(s) for s in split_layers(10, 4, layers_per_stage=3)] == [2, 3, 3, 2]
     assert [len(s) for s in split_layers(9, 4, layers_per_stage=3)] == [2, 3, 3, 1]
     assert split_layers(8, 3, split_points=[1, 5]) == [[0], [1, 2, 3, 4], [5, 6, 7]]
-    for bad in [{"n_stages": 9}, {"n_stages": 4, "layers_per_stage": 1}, {"n_stages": 4, "layers_per_stage": 5},
-                {"n_stages": 3, "split_points": [3]}, {"n_stages": 3, "split_points": [4, 4]},
-                {"n_stages": 2, "split_points": [8]}]:
+    for bad in [
+        {"n_stages": 9},
+        {"n_stages": 4, "layers_per_stage": 1},
+        {"n_stages": 4, "layers_per_stage": 5},
+        {"n_stages": 3, "split_points": [3]},
+        {"n_stages": 3, "split_points": [4, 4]},
+        {"n_stages": 2, "split_points": [8]},
+    ]:
         with pytest.raises(ConfigError, match="parallelism.pp"):
             split_layers(8, **bad)
 
@@ -70,6 +76,7 @@ def test_stage_placement_loop_and_v():
 def test_stage_placement_matches_torch():
     """The torch-free placement (core.parallel.stages) is the library's own mapping."""
     from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
     for pp in (1, 2, 3, 4, 8):
         for spr in (1, 2, 3, 4):
             n = pp * spr
@@ -81,6 +88,7 @@ def test_stage_placement_matches_torch():
 
 def test_stage_modules_keep_fqns_and_partition_the_model():
     from core.models.llama3 import Transformer, get_args
+
     model = Transformer(get_args("tiny8", max_seq_len=64))
     names = {n for n, _ in model.named_parameters()}
     plan = split_layers(8, 3)
@@ -116,24 +124,29 @@ def _validate(*overrides: str, world: int):
 
 
 def _tiny4_pp(*extra: str) -> list[str]:
-    return ["model.flavor=tiny4", "data.dataset=synthetic", "training.local_batch_size=8",
-            "parallelism.pp=2", *extra]
+    return ["model.flavor=tiny4", "data.dataset=synthetic", "training.local_batch_size=8", "parallelism.pp=2", *extra]
 
 
-@pytest.mark.parametrize("extra,world,key", [
-    (["parallelism.pp_schedule=Zigzag"], 2, "parallelism.pp_schedule"),
-    (_pp("1F1B", pp=4, micro=2), 4, "parallelism.pp_microbatches"),  # cannot fill 4 ranks
-    (_pp("DualPipeV", micro=2), 2, "parallelism.pp_microbatches"),  # torch: >= one per stage (4)
-    (_pp("InterleavedZeroBubble", pp=4, micro=9) + ["training.local_batch_size=9", "model.flavor=tiny8"], 4,
-     "parallelism.pp_microbatches"),  # torch runs 9 // 4 = 2 rounds, which do not divide 9
-    (_pp("1F1B", micro=3), 2, "parallelism.pp_microbatches"),  # does not divide the local batch 8
-    (_pp("Interleaved1F1B", pp=4), 4, "parallelism.pp"),  # 8 stages > 4 layers
-    (_pp("ZBVZeroBubble") + ["parallelism.pp_stages_per_rank=3"], 2, "parallelism.pp_stages_per_rank"),
-    (_pp("1F1B") + ["parallelism.pp_stages_per_rank=2"], 2, "parallelism.pp_stages_per_rank"),
-    (_pp("ZBVZeroBubble") + ["compile.enabled=true"], 2, "compile.enabled"),
-    (_pp("1F1B") + ["parallelism.pp_layers_per_stage=1"], 2, "parallelism.pp_layers_per_stage"),
-    (_pp("1F1B") + ["parallelism.pp_split_points=[1, 2]"], 2, "parallelism.pp_split_points"),
-])
+@pytest.mark.parametrize(
+    "extra,world,key",
+    [
+        (["parallelism.pp_schedule=Zigzag"], 2, "parallelism.pp_schedule"),
+        (_pp("1F1B", pp=4, micro=2), 4, "parallelism.pp_microbatches"),  # cannot fill 4 ranks
+        (_pp("DualPipeV", micro=2), 2, "parallelism.pp_microbatches"),  # torch: >= one per stage (4)
+        (
+            _pp("InterleavedZeroBubble", pp=4, micro=9) + ["training.local_batch_size=9", "model.flavor=tiny8"],
+            4,
+            "parallelism.pp_microbatches",
+        ),  # torch runs 9 // 4 = 2 rounds, which do not divide 9
+        (_pp("1F1B", micro=3), 2, "parallelism.pp_microbatches"),  # does not divide the local batch 8
+        (_pp("Interleaved1F1B", pp=4), 4, "parallelism.pp"),  # 8 stages > 4 layers
+        (_pp("ZBVZeroBubble") + ["parallelism.pp_stages_per_rank=3"], 2, "parallelism.pp_stages_per_rank"),
+        (_pp("1F1B") + ["parallelism.pp_stages_per_rank=2"], 2, "parallelism.pp_stages_per_rank"),
+        (_pp("ZBVZeroBubble") + ["compile.enabled=true"], 2, "compile.enabled"),
+        (_pp("1F1B") + ["parallelism.pp_layers_per_stage=1"], 2, "parallelism.pp_layers_per_stage"),
+        (_pp("1F1B") + ["parallelism.pp_split_points=[1, 2]"], 2, "parallelism.pp_split_points"),
+    ],
+)
 def test_bad_pipeline_config_is_refused_naming_the_key(extra, world, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         _validate(*_tiny4_pp(*extra), world=world)
@@ -142,13 +155,16 @@ def test_bad_pipeline_config_is_refused_naming_the_key(extra, world, key):
         assert all(name in str(e.value) for name in PP_SCHEDULES)  # lists the valid names
 
 
-@pytest.mark.parametrize("extra,world", [
-    (_pp("Interleaved1F1B", pp=4, micro=6) + ["training.local_batch_size=12", "model.flavor=tiny8"], 4),
-    (_pp("Interleaved1F1B", pp=4, micro=10) + ["training.local_batch_size=10", "model.flavor=tiny8"], 4),
-    (_pp("1F1B") + ["parallelism.pp_split_points=[3]"], 2),
-    (_pp("1F1B") + ["parallelism.pp_layers_per_stage=2"], 2),
-    (_pp("DualPipeV"), 2),
-])
+@pytest.mark.parametrize(
+    "extra,world",
+    [
+        (_pp("Interleaved1F1B", pp=4, micro=6) + ["training.local_batch_size=12", "model.flavor=tiny8"], 4),
+        (_pp("Interleaved1F1B", pp=4, micro=10) + ["training.local_batch_size=10", "model.flavor=tiny8"], 4),
+        (_pp("1F1B") + ["parallelism.pp_split_points=[3]"], 2),
+        (_pp("1F1B") + ["parallelism.pp_layers_per_stage=2"], 2),
+        (_pp("DualPipeV"), 2),
+    ],
+)
 def test_valid_pipeline_configs_are_accepted(extra, world):
     _validate(*_tiny4_pp(*extra), world=world)
 
@@ -163,8 +179,7 @@ def test_default_microbatches_one_per_stage():
 # ------------------------------------------------------------------------- multi-process (slow)
 WORLD2 = {  # name -> overrides; one torchrun runs them all (start-up dominates tiny jobs)
     **{f"pp2_{s}": _job("tiny4", 1, *_pp(s)) for s in PP_SCHEDULES},
-    "pp2_Interleaved1F1B_bf16": _job("tiny4", 1, *_pp("Interleaved1F1B"),
-                                     "--training.mixed_precision_param=bfloat16"),
+    "pp2_Interleaved1F1B_bf16": _job("tiny4", 1, *_pp("Interleaved1F1B"), "--training.mixed_precision_param=bfloat16"),
     "fsdp2_no_pp": _job("tiny4", 2, "--parallelism.dp_shard=2"),  # the non-pipelined gradients
 }
 WORLD4 = {
@@ -173,8 +188,9 @@ WORLD4 = {
     "fsdp2_pp2_ZBVZeroBubble": _job("tiny4", 2, "--parallelism.dp_shard=2", *_pp("ZBVZeroBubble")),
 }
 WORLD8 = {
-    "fsdp2_tp2_pp2_Interleaved1F1B": _job("tiny4", 2, "--parallelism.dp_shard=2", "--parallelism.tp=2",
-                                          *_pp("Interleaved1F1B")),
+    "fsdp2_tp2_pp2_Interleaved1F1B": _job(
+        "tiny4", 2, "--parallelism.dp_shard=2", "--parallelism.tp=2", *_pp("Interleaved1F1B")
+    )
 }
 
 
@@ -191,8 +207,12 @@ def _records(jobs: dict[str, list[str]], tmp_path_factory) -> dict[str, dict]:
 def _reference(flavor: str, dtype: str = "float32") -> list[float]:
     """core.reference.reference_run on the global batch (8 sequences)."""
     from core.reference import reference_run
-    cfg = validate(load_config(None, [o.lstrip("-") for o in _job(flavor)]
-                               + [f"training.mixed_precision_param={dtype}"]), 1, check_files=False)
+
+    cfg = validate(
+        load_config(None, [o.lstrip("-") for o in _job(flavor)] + [f"training.mixed_precision_param={dtype}"]),
+        1,
+        check_files=False,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CPU is shared with the other jobs; more threads only contend
     try:
@@ -252,8 +272,9 @@ def test_pp_bf16_without_fsdp_runs_under_autocast(world2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,schedule,flavor", [("pp4_1F1B", "1F1B", "tiny4"),
-                                                  ("pp4_Interleaved1F1B", "Interleaved1F1B", "tiny8")])
+@pytest.mark.parametrize(
+    "name,schedule,flavor", [("pp4_1F1B", "1F1B", "tiny4"), ("pp4_Interleaved1F1B", "Interleaved1F1B", "tiny8")]
+)
 def test_pp4_matches_single_process(name, schedule, flavor, world4, world2):
     _check_pp_record(world4[name], schedule, 4, 8, flavor, world2["fsdp2_no_pp"] if flavor == "tiny4" else None)
 

@@ -1,5 +1,6 @@
 """The README stays true: its recipe table is the registry's, and its real-mode launch commands
 are the ones run-recipe prints and writes."""
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,7 @@ def test_readme_table_is_the_registry():
     assert table is not None, "README.md lost its recipe-table markers"
     res = CliRunner().invoke(main, ["list", "--markdown"], catch_exceptions=False)
     assert res.exit_code == 0
-    assert table == res.output.strip("\n"), \
-        "README's recipe table is stale: run `python -m recipes.readme`"
+    assert table == res.output.strip("\n"), "README's recipe table is stale: run `python -m recipes.readme`"
     body = table.splitlines()[2:]
     assert len(body) == len(registry.all_recipes()) == 22
     for r, line in zip(registry.all_recipes(), body):
@@ -62,17 +62,25 @@ def test_readme_multinode_command_is_what_run_recipe_prints(tmp_path):
 def test_readme_sbatch_script_is_what_slurm_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
     out = tmp_path / "run"
-    res = CliRunner().invoke(main, ["run", MULTI, "--mode", "real", "--slurm", "--sbatch", "partition=h100",
-                                    "--out", str(out)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        ["run", MULTI, "--mode", "real", "--slurm", "--sbatch", "partition=h100", "--out", str(out)],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     script = (out / "sbatch.sh").read_text()
     root = str(launcher.project_root())
-    generic = (script.replace(str(out.resolve()), "<run dir>").replace(root, "<checkout>")
-               .replace(launcher.torchrun_exe(), "<checkout>/.venv/bin/torchrun"))  # a venv outside the checkout
+    generic = (
+        script.replace(str(out.resolve()), "<run dir>")
+        .replace(root, "<checkout>")
+        .replace(launcher.torchrun_exe(), "<checkout>/.venv/bin/torchrun")
+    )  # a venv outside the checkout
     # the records dir defaults to none with --out; the README shows the default (results/records)
     shown = next(b for b in _blocks() if b.startswith("#!/bin/bash"))
     assert shown.startswith(generic), f"README's sbatch script differs from:\n{generic}"
-    assert shown[len(generic):].splitlines()[-1].startswith("cp <run dir>/result.json <checkout>/results/records/real/")
+    assert (
+        shown[len(generic) :].splitlines()[-1].startswith("cp <run dir>/result.json <checkout>/results/records/real/")
+    )
 
 
 def test_every_command_the_readme_names_exists():

@@ -2,6 +2,7 @@
 per-stage seeds on the meta-device init, memory peaks, data time in the step, per-rank data
 sharding, the sbatch script and launch environment, mesh timeouts, the torchao pin, Flight
 Recorder file names on CUDA, and `run-recipe preflight`."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -46,8 +47,15 @@ def pg():
 def test_meta_init_seeds_each_pipeline_stage(tmp_path):
     """PP 4 on the meta path: torch's default (one seed for all) repeats the blocks of stages
     1-3, which the check sees; per-stage seeds make every stage's blocks its own."""
-    job = ["--model.flavor=tiny4", "--data.dataset=synthetic", "--training.seq_len=64",
-           "--training.local_batch_size=4", "--parallelism.pp=4", "--parallelism.pp_schedule=1F1B", *P.META]
+    job = [
+        "--model.flavor=tiny4",
+        "--data.dataset=synthetic",
+        "--training.seq_len=64",
+        "--training.local_batch_size=4",
+        "--parallelism.pp=4",
+        "--parallelism.pp_schedule=1F1B",
+        *P.META,
+    ]
     fixed = P.check_init(P.run_init_check(4, job, tmp_path / "fixed.json"))
     assert fixed == []
     same = P.check_init(P.run_init_check(4, job, tmp_path / "same.json", same_seed=True))
@@ -56,8 +64,10 @@ def test_meta_init_seeds_each_pipeline_stage(tmp_path):
 
 
 def test_check_init_catches_disagreeing_ranks_and_copied_shards():
-    ranks = [{"rank": r, "pp_rank": 0, "stages": {"0": {"layers.0.attention.wq.weight": (f"w{r}", f"l{0}")}}}
-             for r in range(2)]
+    ranks = [
+        {"rank": r, "pp_rank": 0, "stages": {"0": {"layers.0.attention.wq.weight": (f"w{r}", f"l{0}")}}}
+        for r in range(2)
+    ]
     problems = P.check_init({"ranks": ranks})
     assert any("ranks disagree" in p for p in problems) and any("every shard" in p for p in problems)
 
@@ -81,7 +91,7 @@ def test_init_device_and_sharding_are_checked_choices():
 
 # ----------------------------------------------------------------------- defect 2: memory
 def test_peak_memory_is_reset_after_the_first_step(monkeypatch):
-    fake = {"peak": 10 * 2 ** 30, "now": 4 * 2 ** 30}
+    fake = {"peak": 10 * 2**30, "now": 4 * 2**30}
     monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(metrics.torch.cuda, "max_memory_reserved", lambda: fake["peak"])
     monkeypatch.setattr(metrics.torch.cuda, "reset_peak_memory_stats", lambda: fake.update(peak=fake["now"]))
@@ -100,8 +110,9 @@ def test_launch_env_sets_expandable_segments_for_real_runs(monkeypatch):
 
 # ------------------------------------------------------------------- defect 3: data, timing
 def test_step_time_includes_the_data_and_records_it_apart(pg, tmp_path, monkeypatch):
-    cfg = validate(load_config(None, [*TINY_JOB, "--training.steps=3", f"--job.output_dir={tmp_path}"]),
-                   1, check_files=False)
+    cfg = validate(
+        load_config(None, [*TINY_JOB, "--training.steps=3", f"--job.output_dir={tmp_path}"]), 1, check_files=False
+    )
     trainer = Trainer(cfg)
     loader = trainer.dataloader
 
@@ -137,8 +148,16 @@ class Counting:
 
 def _synthetic(rank, degree, sharding, tok=None):
     from core.data.tokenizer import ByteTokenizer
-    return TokenWindowLoader("synthetic", tokenizer=tok or Counting(ByteTokenizer()), seq_len=32,
-                             local_batch_size=2, dp_rank=rank, dp_degree=degree, sharding=sharding)
+
+    return TokenWindowLoader(
+        "synthetic",
+        tokenizer=tok or Counting(ByteTokenizer()),
+        seq_len=32,
+        local_batch_size=2,
+        dp_rank=rank,
+        dp_degree=degree,
+        sharding=sharding,
+    )
 
 
 def test_per_rank_sharding_reads_only_its_own_documents_and_resumes_exactly():
@@ -172,8 +191,14 @@ def test_per_rank_sharding_splits_a_c4_layout_corpus_by_files():
     path, tok = ROOT / "assets" / "c4_offline", ROOT / "assets" / "tokenizer" / "proxy_bpe_4k" / "tokenizer.model"
     if not path.exists() or not tok.exists():
         pytest.fail("assets missing: python -m core.data.assets --all")
-    kw = {"path": str(path), "tokenizer": str(tok), "seq_len": 32, "local_batch_size": 2, "dp_degree": 2,
-          "sharding": "per_rank"}
+    kw = {
+        "path": str(path),
+        "tokenizer": str(tok),
+        "seq_len": 32,
+        "local_batch_size": 2,
+        "dp_degree": 2,
+        "sharding": "per_rank",
+    }
     a, b = TokenWindowLoader("c4_offline", dp_rank=0, **kw), TokenWindowLoader("c4_offline", dp_rank=1, **kw)
     assert not torch.equal(next(a)[0], next(b)[0])
     state = b.state_dict()
@@ -199,8 +224,10 @@ def test_sbatch_binds_cpus_and_keeps_caches_node_local(tmp_path):
     assert str(launcher.project_root() / ".cache") not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     # the environment block as the node's shell evaluates it
-    block = "\n".join(launcher.sbatch_env_lines(8)) + \
-        '\necho "$OMP_NUM_THREADS|$PYTORCH_CUDA_ALLOC_CONF|$TORCHINDUCTOR_CACHE_DIR|$numa_flag"'
+    block = (
+        "\n".join(launcher.sbatch_env_lines(8))
+        + '\necho "$OMP_NUM_THREADS|$PYTORCH_CUDA_ALLOC_CONF|$TORCHINDUCTOR_CACHE_DIR|$numa_flag"'
+    )
     env = {"PATH": os.environ["PATH"], "SLURM_CPUS_ON_NODE": "96", "TMPDIR": "/local", "USER": "u"}
     out = subprocess.run(["bash", "-euc", block], env=env, capture_output=True, text=True, check=True).stdout
     omp, alloc, cache, _ = out.strip().split("|")
@@ -217,8 +244,9 @@ def test_torchao_is_pinned_to_the_tested_version():
 
 
 def test_flight_recorder_on_cuda_dumps_nccl_recorder_to_our_own_file(pg, tmp_path, monkeypatch):
-    cfg = validate(load_config(None, [f"--job.output_dir={tmp_path}", "--comm.trace_buf_size=10"]), 1,
-                   check_files=False)
+    cfg = validate(
+        load_config(None, [f"--job.output_dir={tmp_path}", "--comm.trace_buf_size=10"]), 1, check_files=False
+    )
     called = []
     raw = torch._C._distributed_c10d._dump_fr_trace()
 
@@ -240,16 +268,22 @@ def test_flight_recorder_on_cuda_dumps_nccl_recorder_to_our_own_file(pg, tmp_pat
 def test_preflight_proxy_form_passes_and_names_what_it_skipped(tmp_path):
     cmd = [launcher.sys.executable, "-m", "recipes.cli", "preflight", "--out", str(tmp_path)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=launcher.launch_env("proxy", 1), capture_output=True, text=True,
-                          timeout=900, check=False)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=launcher.launch_env("proxy", 1), capture_output=True, text=True, timeout=900, check=False
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "preflight.json").read_text())
     status = {v["feature"]: v["status"] for v in summary["verdicts"]}
     assert summary["passed"] and "FAIL" not in status.values()
-    for feature in ("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", "FSDP x TP x PP, Interleaved 1F1B",
-                    "context parallel (CP 2 x TP 2)", "compile (per block)", "Float8 linears",
-                    "DCP save + load (resume)"):
+    for feature in (
+        "meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)",
+        "FSDP x TP x PP, Interleaved 1F1B",
+        "context parallel (CP 2 x TP 2)",
+        "compile (per block)",
+        "Float8 linears",
+        "DCP save + load (resume)",
+    ):
         assert status[feature] == "PASS", (feature, status)
     assert any(f.startswith("loss parity 3D") and s == "PASS" for f, s in status.items())
     assert {status["NCCL"], status["AsyncTP"], status["Float8 matmuls (sm89+)"]} == {"SKIP"}

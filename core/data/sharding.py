@@ -10,6 +10,7 @@ per_rank  each DP rank reads and tokenizes only its own documents (whole shard f
           resume needs the same rank of the same degree (its state says which).
 auto      per_rank in real mode, global otherwise.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -44,8 +45,10 @@ def sharding_state(sharding: str, dp_rank: int, dp_degree: int) -> dict:
 def check_resume_state(state: dict, sharding: str, dp_rank: int, dp_degree: int) -> None:
     """ValueError unless a saved loader state can continue on this rank exactly."""
     mine = (sharding, dp_rank, dp_degree) if sharding == "per_rank" else ("global",)
-    theirs = (state.get("sharding", "global"), state.get("dp_rank"), state.get("dp_degree"))[:len(mine)]
+    theirs = (state.get("sharding", "global"), state.get("dp_rank"), state.get("dp_degree"))[: len(mine)]
     if theirs != mine:
-        raise ValueError(f"loader state is of data sharding {theirs}, this loader is {mine}: per-rank sharding "
-                         "resumes only on the same DP rank of the same DP degree (data.sharding = 'global' "
-                         "can change the layout mid-run)")
+        raise ValueError(
+            f"loader state is of data sharding {theirs}, this loader is {mine}: per-rank sharding "
+            "resumes only on the same DP rank of the same DP degree (data.sharding = 'global' "
+            "can change the layout mid-run)"
+        )

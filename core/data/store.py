@@ -139,8 +139,18 @@ def pip_download(requirement: str, dest: Path, pattern: str, extra: list[str] = 
     if found:
         log(f"using cached {found[0].name}")
         return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest),
-           "--disable-pip-version-check", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        requirement,
+        "-d",
+        str(dest),
+        "--disable-pip-version-check",
+        *extra,
+    ]
     log(f"downloading {requirement} from PyPI: {' '.join(cmd[1:])}")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

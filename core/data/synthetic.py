@@ -1,4 +1,5 @@
 """The synthetic corpus: deterministic, learnable documents made in code (tests, parity; no files)."""
+
 from __future__ import annotations
 
 import random

@@ -203,11 +203,7 @@ class Tokenizer:
             else:
                 for piece in pieces:
                     ids.extend(
-                        self.model.encode(
-                            piece,
-                            allowed_special=allowed_special,
-                            disallowed_special=disallowed_special,
-                        )
+                        self.model.encode(piece, allowed_special=allowed_special, disallowed_special=disallowed_special)
                     )
         if eos:
             ids.append(self._eos_id)
@@ -219,10 +215,7 @@ class Tokenizer:
         return self.model.decode(list(ids))
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(path={self.path!r}, n_words={self.n_words}, bos_id={self.bos_id}, "
-            f"eos_id={self.eos_id})"
-        )
+        return f"Tokenizer(path={self.path!r}, n_words={self.n_words}, bos_id={self.bos_id}, eos_id={self.eos_id})"
 
 
 class ByteTokenizer:

@@ -13,12 +13,15 @@ else (the values are then written into h100_96gb_hbm2e_500w.toml by hand, with t
   FSDP 8, CP 1 at 32K tokens (long_context/table4/8b_fsdp8_cp1_32k), where attention is about half
   the step and CP adds no communication. The forward keeps its cited value.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-ROWS = {"clock_fraction": "llama3_8b/table1/8gpu_fsdp_compile",
-        "flash_attention_bwd": "long_context/table4/8b_fsdp8_cp1_32k"}
+ROWS = {
+    "clock_fraction": "llama3_8b/table1/8gpu_fsdp_compile",
+    "flash_attention_bwd": "long_context/table4/8b_fsdp8_cp1_32k",
+}
 
 
 def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
@@ -34,12 +37,15 @@ def fit(rows: dict[str, tuple[object, float]], spec_name: str = "h100_96gb_hbm2e
     the two one-dimensional fits until they settle; returns the constants, rounded as stored."""
     from core.dryrun.gpuspec import load_spec
     from core.dryrun.runtime import predict
+
     spec = load_spec(spec_name)
     mem = {"allocated_peak_gib": 0.0}  # memory is not what is fitted
     for _ in range(rounds):
         for key, (cfg, paper) in rows.items():
+
             def err(x, key=key, cfg=cfg, paper=paper, base=spec):
                 s = dataclasses.replace(base, **{key: x})
                 return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - paper
+
             spec = dataclasses.replace(spec, **{key: _bisect(err, 0.05, 1.0)})
     return {k: round(getattr(spec, k), 3) for k in rows}

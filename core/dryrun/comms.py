@@ -12,6 +12,7 @@ bandwidth (at most NVLink's). Ring collectives (NCCL's Simple protocol, large me
         base + (n - 1) x step latency + (n - 1) / n x S / bandwidth
     all-reduce: a reduce-scatter then an all-gather.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,10 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True)
 class Link:
-    label: str          # the mesh dimension(s), e.g. "dp_shard_cp"
-    size: int           # ranks in the group
+    label: str  # the mesh dimension(s), e.g. "dp_shard_cp"
+    size: int  # ranks in the group
     nodes_spanned: bool
-    bandwidth: float    # achieved bytes/s per rank for ring collectives
+    bandwidth: float  # achieved bytes/s per rank for ring collectives
     step_latency: float
     base_latency: float
 
@@ -59,7 +60,7 @@ def link(spec, sizes: dict[str, int], dims: tuple[str, ...]) -> Link:
     idx = [MESH_ORDER.index(d) for d in dims]
     if idx != list(range(idx[0], idx[-1] + 1)):
         raise ValueError(f"mesh dims {dims} are not consecutive in {MESH_ORDER}")
-    stride = math.prod(sizes[d] for d in MESH_ORDER[idx[-1] + 1:])
+    stride = math.prod(sizes[d] for d in MESH_ORDER[idx[-1] + 1 :])
     size = math.prod(sizes[d] for d in dims)
     gpn = spec.gpus_per_node
     nvlink = spec.nvlink_bandwidth * spec.nccl_nvlink

@@ -10,6 +10,7 @@ torch's `FSDPMemTracker` / `MemTracker` measure the step where affordable (eager
 CPU: what the fake step cannot run -- inductor, symmetric memory -- is named in
 `toggles_modelled`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,9 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     touch a real one."""
     if dist.is_initialized():
         if dist.get_backend() != "fake":
-            raise RuntimeError("a real process group is initialised in this process: dry-run "
-                               "needs its own (run it outside torchrun)")
+            raise RuntimeError(
+                "a real process group is initialised in this process: dry-run needs its own (run it outside torchrun)"
+            )
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
@@ -56,6 +58,7 @@ def _lean(tracker_cls, module_stats: bool = True):
     peak on every op, which costs minutes on 100+ blocks and is not used here. Without
     module_stats its per-module hooks are off too (a pipeline rank calls each stage once per
     microbatch, which the stock tracker takes for a second iteration); totals are unchanged."""
+
     class Lean(tracker_cls):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
@@ -64,6 +67,7 @@ def _lean(tracker_cls, module_stats: bool = True):
                     self._peak_mem_snap[dev] = dict(snap)
 
         if not module_stats:
+
             def _pre_fw_hook(self, module, inputs):
                 pass
 
@@ -140,11 +144,15 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
     tr = TrainStep(cfg, mesh, device, parts, schedule)
     post_opt = post_optimizer_hook(cfg)
     build_s = time.perf_counter() - t0
-    why_not = None if track else (untrackable or "a pipeline rank's schedule under the tracker "
-                                                  "takes minutes at scale")
-    out = {"rank": rank, "tracked": track, "not_tracked_because": why_not,
-           "toggles_applied": list(toggles.applied), "toggles_skipped": dict(toggles.skipped),
-           "toggles_modelled": modelled}
+    why_not = None if track else (untrackable or "a pipeline rank's schedule under the tracker takes minutes at scale")
+    out = {
+        "rank": rank,
+        "tracked": track,
+        "not_tracked_because": why_not,
+        "toggles_applied": list(toggles.applied),
+        "toggles_skipped": dict(toggles.skipped),
+        "toggles_modelled": modelled,
+    }
     step_s = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part in tr.model_parts:
@@ -219,10 +227,18 @@ def run_pipeline_rank(tr: TrainStep, dims: ParallelDims, args, tokens, labels) -
         hidden = (mb, seq, args.dim)
         # The runtime's receive buffers, one per microbatch: activations into non-first stages,
         # gradients into non-last stages (allocated once, reused every step).
-        recv = {(sid, m): torch.empty(hidden, dtype=act_dtype, requires_grad=True)
-                for sid, st in stages.items() if not st.is_first for m in range(n_micro)}
-        grad_recv = {(sid, m): torch.empty(hidden, dtype=act_dtype)
-                     for sid, st in stages.items() if not st.is_last for m in range(n_micro)}
+        recv = {
+            (sid, m): torch.empty(hidden, dtype=act_dtype, requires_grad=True)
+            for sid, st in stages.items()
+            if not st.is_first
+            for m in range(n_micro)
+        }
+        grad_recv = {
+            (sid, m): torch.empty(hidden, dtype=act_dtype)
+            for sid, st in stages.items()
+            if not st.is_last
+            for m in range(n_micro)
+        }
         for a in actions:
             kind, sid, m = a.computation_type.value, a.stage_index, a.microbatch_index
             stage = stages[sid]
@@ -238,8 +254,13 @@ def run_pipeline_rank(tr: TrainStep, dims: ParallelDims, args, tokens, labels) -
                 grads = None if stage.is_last else grad_recv[(sid, m)]
                 with loss_parallel_context(cfg):
                     stage.backward_maybe_with_nosync(
-                        "full", {"stage_output": output, "output_grads": grads,
-                                 "input_values": [x for x in inputs if x.requires_grad]})
+                        "full",
+                        {
+                            "stage_output": output,
+                            "output_grads": grads,
+                            "input_values": [x for x in inputs if x.requires_grad],
+                        },
+                    )
                 del inputs, output
         for stage in stages.values():
             stage.perform_reduce_grad(n_micro)

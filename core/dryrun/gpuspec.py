@@ -1,6 +1,7 @@
 """GPU systems as data: one TOML file per system in core/dryrun/hardware/ (peak FLOP/s, HBM,
 links, latencies and the achieved-efficiency constants, each number with its source in a
 comment), loaded and checked here. Torch-free, so the layout advisor can load it cheaply."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +16,23 @@ DEFAULT_GPU = "h100_96gb_hbm2e_500w"
 FIELDS = {
     "compute": ("peak_bf16_flops", "peak_fp8_flops", "clock_fraction"),
     "memory": ("hbm_bandwidth", "hbm_capacity_gib"),
-    "links": ("nvlink_bandwidth", "network_bandwidth", "gpus_per_node", "collective_base_latency_s",
-              "nvlink_latency_s", "network_latency_s"),
-    "efficiency": ("gemm_bf16", "gemm_fp8", "flash_attention_fwd", "flash_attention_bwd", "hbm",
-                   "nccl_nvlink", "nccl_rdma"),
+    "links": (
+        "nvlink_bandwidth",
+        "network_bandwidth",
+        "gpus_per_node",
+        "collective_base_latency_s",
+        "nvlink_latency_s",
+        "network_latency_s",
+    ),
+    "efficiency": (
+        "gemm_bf16",
+        "gemm_fp8",
+        "flash_attention_fwd",
+        "flash_attention_bwd",
+        "hbm",
+        "nccl_nvlink",
+        "nccl_rdma",
+    ),
 }
 
 
@@ -84,8 +98,9 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: missing field name")
-    return GPUSpec(name=name, description=str(data.get("description", "")),
-                   calibration=str(data.get("calibration", "")), **values)
+    return GPUSpec(
+        name=name, description=str(data.get("description", "")), calibration=str(data.get("calibration", "")), **values
+    )
 
 
 @functools.cache

@@ -17,6 +17,7 @@ the caching allocator holds but does not use: one stated term, `ALLOCATOR_GAP_GI
 every row (see its comment), capped by the GPU's capacity. NCCL's own buffers are outside
 PyTorch's allocator and so not in "reserved".
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from core.models.args import model_args
 from core.parallel.stages import plan_stages, pp_microbatches, stage_ids_for_rank, stages_per_rank
 
-GIB = 2 ** 30
+GIB = 2**30
 
 # Peak reserved minus peak allocated of PyTorch's CUDA caching allocator: freed blocks stay
 # cached, split blocks strand their tails, and the large transient allocations late in a step
@@ -49,19 +50,20 @@ MODEL_LOGITS_BYTES = 4
 @dataclass(frozen=True)
 class Shapes:
     """What one rank holds for one microbatch on one layer (elements, not bytes)."""
-    d: int            # model dim
-    q: int            # local query width  (n_heads / tp * head_dim)
-    kv: int           # local key/value width (n_kv_heads / tp * head_dim)
-    f: int            # local FFN hidden
-    heads: int        # local query heads
-    n_rep: int        # query heads per KV head
-    vocab: int        # local vocabulary of the logits (vocab / tp with loss parallel)
-    tokens: int       # tokens of one microbatch on this rank (after CP): mb * seq / cp
-    sp: float         # fraction of those tokens a sequence-parallel region holds (1 / tp)
+
+    d: int  # model dim
+    q: int  # local query width  (n_heads / tp * head_dim)
+    kv: int  # local key/value width (n_kv_heads / tp * head_dim)
+    f: int  # local FFN hidden
+    heads: int  # local query heads
+    n_rep: int  # query heads per KV head
+    vocab: int  # local vocabulary of the logits (vocab / tp with loss parallel)
+    tokens: int  # tokens of one microbatch on this rank (after CP): mb * seq / cp
+    sp: float  # fraction of those tokens a sequence-parallel region holds (1 / tp)
     cp: int
     tp: int
-    act: int          # bytes of an activation element (2: bf16 compute, 4: fp32)
-    lin_in: int       # bytes of a saved, TP-gathered linear input (1 with float8 TP styles)
+    act: int  # bytes of an activation element (2: bf16 compute, 4: fp32)
+    lin_in: int  # bytes of a saved, TP-gathered linear input (1 with float8 TP styles)
 
 
 def _args(cfg):
@@ -82,10 +84,21 @@ def shapes(cfg) -> Shapes:
     vocab = a.vocab_size // tp if (tp > 1 and p.loss_parallel) else a.vocab_size
     act = 2 if t.mixed_precision_param == "bfloat16" else 4
     float8_tp = tp > 1 and cfg.float8.enabled and cfg.float8.recipe == "tensorwise"
-    return Shapes(d=a.dim, q=a.n_heads // tp * hd, kv=a.n_kv_heads // tp * hd, f=a.ffn_hidden_dim // tp,
-                  heads=a.n_heads // tp, n_rep=a.n_heads // a.n_kv_heads, vocab=vocab,
-                  tokens=mb * t.seq_len // cp, sp=1.0 / tp if tp > 1 else 1.0, cp=cp, tp=tp, act=act,
-                  lin_in=1 if float8_tp else act)
+    return Shapes(
+        d=a.dim,
+        q=a.n_heads // tp * hd,
+        kv=a.n_kv_heads // tp * hd,
+        f=a.ffn_hidden_dim // tp,
+        heads=a.n_heads // tp,
+        n_rep=a.n_heads // a.n_kv_heads,
+        vocab=vocab,
+        tokens=mb * t.seq_len // cp,
+        sp=1.0 / tp if tp > 1 else 1.0,
+        cp=cp,
+        tp=tp,
+        act=act,
+        lin_in=1 if float8_tp else act,
+    )
 
 
 # =============================================================================================
@@ -98,8 +111,8 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     normalised bf16 output; the linears keep their input (under SP: the all-gathered
     full-sequence input); RoPE keeps nothing (its rotation table needs no gradient); repeat_kv
     materialises expanded k and v, which SDPA keeps with q, its output and the log-sum-exp;
-    SwiGLU keeps w1's and w3's outputs, the SiLU output and the product. Compiled (inductor's min-cut partitioner), pointwise work is
-    recomputed in backward: it keeps the norm inputs, the matmul inputs it cannot cheaply rebuild,
+    SwiGLU keeps w1's and w3's outputs, the SiLU output and the product. Compiled (inductor's min-cut
+    partitioner), pointwise work is recomputed in backward: it keeps the norm inputs, the matmul inputs it cannot cheaply rebuild,
     q/k/v, attention output + LSE, and w1/w3 outputs.
     """
     T, a = s.tokens, s.act
@@ -133,8 +146,11 @@ def _sac_op_saved(s: Shapes, every_other_mm: bool) -> dict[str, float]:
     mms = [T * a * s.q, T * a * s.kv, T * a * s.kv, row_out, T * a * s.f, T * a * s.f, row_out]
     if every_other_mm:
         mms = mms[0::2]
-    out = {"block_input": sp_T * a * s.d, "matmul_outputs": float(sum(mms)),
-           "attention_out": T * (a * s.q + 4 * s.heads)}
+    out = {
+        "block_input": sp_T * a * s.d,
+        "matmul_outputs": float(sum(mms)),
+        "attention_out": T * (a * s.q + 4 * s.heads),
+    }
     if s.tp > 1:
         out["reduce_scatter_outputs"] = 2 * sp_T * a * s.d
     return out
@@ -201,12 +217,23 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
         # its fp8 input copied transposed (1 byte each); eager also holds the first cast and a
         # contiguous copy until the backward returns. The FFN's largest linear (w1 or w2):
         ffn_bwd += T * (s.d + s.f) if compiled else T * max(s.f + 3 * s.d, s.d + 3 * s.f)
-    attn_bwd = (recompute - (ffn_part if recompute else 0.0) + full_seq
-                + T * a * (s.q + 2 * kv_sdpa) + _cp_attention_work(s, backward=True))
+    attn_bwd = (
+        recompute
+        - (ffn_part if recompute else 0.0)
+        + full_seq
+        + T * a * (s.q + 2 * kv_sdpa)
+        + _cp_attention_work(s, backward=True)
+    )
     if ac.mode == "none":
         ffn_fwd, attn_fwd = io, io + _cp_attention_work(s, backward=False)  # the rest is saved
-    return {"saved": saved_total, "saved_parts": saved, "no_ac_saved": noac_total, "input_saved": input_saved,
-            "fwd_work": max(ffn_fwd, attn_fwd), "bwd_work": max(ffn_bwd, attn_bwd)}
+    return {
+        "saved": saved_total,
+        "saved_parts": saved,
+        "no_ac_saved": noac_total,
+        "input_saved": input_saved,
+        "fwd_work": max(ffn_fwd, attn_fwd),
+        "bwd_work": max(ffn_bwd, attn_bwd),
+    }
 
 
 def head_memory(cfg, s: Shapes | None = None) -> dict:
@@ -230,9 +257,15 @@ def head_memory(cfg, s: Shapes | None = None) -> dict:
     logits = MODEL_LOGITS_BYTES * T * V
     fwd_peak = logits + T * V * ((4 if MODEL_LOGITS_BYTES != 4 else 0) + 4 + lp)
     bwd_peak = T * V * (4 + 4 + 4 + lp)
-    return {"saved": norm_saved + lsm, "norm_saved": norm_saved, "log_softmax": lsm,
-            "loss_fwd_work": fwd_peak - lsm, "loss_bwd_work": bwd_peak - lsm,
-            "logits": logits, "logits_grad": T * V * a}
+    return {
+        "saved": norm_saved + lsm,
+        "norm_saved": norm_saved,
+        "log_softmax": lsm,
+        "loss_fwd_work": fwd_peak - lsm,
+        "loss_bwd_work": bwd_peak - lsm,
+        "logits": logits,
+        "logits_grad": T * V * a,
+    }
 
 
 # =============================================================================================
@@ -243,10 +276,10 @@ class StageParams:
     layers: int
     first: bool
     last: bool
-    block: int          # parameters of one block held by this TP rank
-    block_linear: int   # of which in linears (float8-able)
-    root: int           # embedding and/or norm + output held by this TP rank
-    total: int          # everything the stage holds on this TP rank
+    block: int  # parameters of one block held by this TP rank
+    block_linear: int  # of which in linears (float8-able)
+    root: int  # embedding and/or norm + output held by this TP rank
+    total: int  # everything the stage holds on this TP rank
 
 
 def stage_params(args, layers: int, first: bool, last: bool, tp: int) -> StageParams:
@@ -264,15 +297,22 @@ def rank_stages(cfg) -> list[list[tuple[int, list[int]]]]:
     if p.pp == 1:
         return [[(0, list(range(n_layers)))]]
     plan = plan_stages(cfg, n_layers)
-    return [[(sid, plan[sid]) for sid in stage_ids_for_rank(r, p.pp, len(plan), p.pp_schedule)]
-            for r in range(p.pp)]
+    return [[(sid, plan[sid]) for sid in stage_ids_for_rank(r, p.pp, len(plan), p.pp_schedule)] for r in range(p.pp)]
 
 
 # =============================================================================================
 # The timeline
 # =============================================================================================
-CATEGORIES = ("params", "grads", "optimizer", "fsdp_unsharded_params", "grad_buffers",
-              "pp_buffers", "activations", "working_set")
+CATEGORIES = (
+    "params",
+    "grads",
+    "optimizer",
+    "fsdp_unsharded_params",
+    "grad_buffers",
+    "pp_buffers",
+    "activations",
+    "working_set",
+)
 
 
 class _Timeline:
@@ -337,13 +377,18 @@ def _simulate_flat(cfg, sp: StageParams, lm: dict, hm: dict, shard: int, fsdp: b
         tl.peak("loss forward", fsdp_unsharded_params=blk, working_set=hm["loss_fwd_work"])
         tl.peak("loss backward", fsdp_unsharded_params=blk, working_set=hm["loss_bwd_work"])
         tl.add(activations=-hm["saved"])
-        tl.peak("output backward", fsdp_unsharded_params=blk + root,
-                working_set=hm["logits_grad"] + hm["norm_saved"], grad_buffers=comp * sp.root)
+        tl.peak(
+            "output backward",
+            fsdp_unsharded_params=blk + root,
+            working_set=hm["logits_grad"] + hm["norm_saved"],
+            grad_buffers=comp * sp.root,
+        )
         for i in reversed(range(L)):
             # The block's gradients as computed, then cast to the reduce dtype for reduce-scatter.
             bufs = sp.block * (comp + (red if red != comp or fsdp else 0))
-            tl.peak(f"backward layer {i}", fsdp_unsharded_params=gathered,
-                    working_set=lm["bwd_work"], grad_buffers=bufs)
+            tl.peak(
+                f"backward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["bwd_work"], grad_buffers=bufs
+            )
             tl.add(activations=-lm["saved"])
             if step == 0:
                 tl.add(grads=4 * sp.block / shard)
@@ -354,8 +399,9 @@ def _simulate_flat(cfg, sp: StageParams, lm: dict, hm: dict, shard: int, fsdp: b
     return tl
 
 
-def _simulate_pipeline(cfg, stages: list[tuple[int, StageParams]], actions: list, lm: dict, hm: dict,
-                       s: Shapes, shard: int, n_micro: int) -> _Timeline:
+def _simulate_pipeline(
+    cfg, stages: list[tuple[int, StageParams]], actions: list, lm: dict, hm: dict, s: Shapes, shard: int, n_micro: int
+) -> _Timeline:
     """One pp rank: its stages' actions in the schedule's order. FSDP keeps every block of a
     stage gathered from its first forward to the end of the step (no reshard between
     microbatches) and accumulates unsharded gradients in the reduce dtype (no sync until the last
@@ -415,8 +461,11 @@ def _simulate_pipeline(cfg, stages: list[tuple[int, StageParams]], actions: list
     # perform_reduce_grad: reduce-scatter the accumulated gradients, reshard.
     for sid, sp in stages:
         tl.peak(f"reduce grads stage {sid}", working_set=sp.block * red)
-        tl.add(grad_buffers=-sp.total * red, grads=4 * sp.total / shard,
-               fsdp_unsharded_params=-(sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act))
+        tl.add(
+            grad_buffers=-sp.total * red,
+            grads=4 * sp.total / shard,
+            fsdp_unsharded_params=-(sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act),
+        )
     if any(sp.last for sp in by_id.values()):
         tl.peak("merge outputs", working_set=n_micro * logits)  # step()'s torch.cat of output_chunks
     tl.peak("optimizer step", working_set=4 * total / shard)
@@ -433,12 +482,14 @@ def reserved(allocated_gib: float, gpu_gib: float = PAPER_GPU_GIB) -> float:
 def _pipeline_order(schedule: str, pp: int, n_micro: int, spr: int):
     """The schedule's own action table (cached: the layout advisor asks for the same ones often)."""
     from core.parallel.pipeline import pipeline_order  # local: torch, needed only with pp > 1
+
     return pipeline_order(schedule, pp, n_micro, spr)
 
 
 def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
     """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak."""
     from core.parallel.mesh import ParallelDims  # local: keeps `import core.dryrun.memory` torch-free
+
     args = _args(cfg)
     p = cfg.parallelism
     dims = ParallelDims.from_config(p)
@@ -455,8 +506,9 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
         n_micro = microbatches(cfg)
         table = _pipeline_order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))
         for r, stages in enumerate(placement):
-            sps = [(sid, stage_params(args, len(layers), sid == 0, sid == n_stages - 1, p.tp))
-                   for sid, layers in stages]
+            sps = [
+                (sid, stage_params(args, len(layers), sid == 0, sid == n_stages - 1, p.tp)) for sid, layers in stages
+            ]
             per_rank.append(_simulate_pipeline(cfg, sps, table[r], lm, hm, s, shard, n_micro))
     worst = max(range(len(per_rank)), key=lambda r: per_rank[r].best)
     tl = per_rank[worst]

@@ -1,5 +1,6 @@
 """The record `run-recipe run ID --mode dry-run` writes: does the layout compose at true scale
 (the fake step), and the estimated peak memory per rank with each part shown (the accounting)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,11 +13,13 @@ from core.dryrun.runtime import predict
 from core.parallel.mesh import ParallelDims
 from core.validate import validate
 
-METHOD = ("accounting: per-rank timeline of the step (core.dryrun.memory.estimate_memory) -> peak "
-          f"allocated, + {ALLOCATOR_GAP_GIB} GiB caching-allocator gap -> peak reserved; fake step: "
-          "the real layout on a fake process group of the row's world size, one training step "
-          "under FakeTensorMode (core.dryrun.fake_step), torch's FSDPMemTracker/MemTracker "
-          "measuring it where it applies")
+METHOD = (
+    "accounting: per-rank timeline of the step (core.dryrun.memory.estimate_memory) -> peak "
+    f"allocated, + {ALLOCATOR_GAP_GIB} GiB caching-allocator gap -> peak reserved; fake step: "
+    "the real layout on a fake process group of the row's world size, one training step "
+    "under FakeTensorMode (core.dryrun.fake_step), torch's FSDPMemTracker/MemTracker "
+    "measuring it where it applies"
+)
 
 
 def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAULT_GPU) -> dict:
@@ -51,8 +54,13 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
         "gpu_capacity_gib": capacity,
         "fits_gpu": est["allocated_peak_gib"] <= capacity,
         "method": METHOD,
-        "degrees": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                    "tp": dims.tp, "pp": dims.pp},
+        "degrees": {
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "pp": dims.pp,
+        },
         "composes": None,
         "predicted": predicted_record(cfg, gpu),
     }
@@ -60,7 +68,9 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
         try:
             fs = fake_step(cfg, track=track)
         except Exception as e:  # noqa: BLE001 - the record says what broke, the CLI reports it
-            record.update(composes=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            record.update(
+                composes=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            )
         else:
             record["composes"] = True
             record["fake_step"] = fs
@@ -76,10 +86,15 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
                     "tracker_allocated_gib": round(measured, 3),
                     "accounting_eager_allocated_gib": round(ours, 3),
                     "difference_pct": round((ours - measured) / measured * 100, 2),
-                    "note": ("same semantics on both sides: eager, rank 0, no allocator gap"
-                             + ("; with loss parallel the tracker also counts DTensor's global-shape "
-                                "propagation tensors (8 bytes per logit per TP rank)"
-                                if dims.tp > 1 and cfg.parallelism.loss_parallel else "")),
+                    "note": (
+                        "same semantics on both sides: eager, rank 0, no allocator gap"
+                        + (
+                            "; with loss parallel the tracker also counts DTensor's global-shape "
+                            "propagation tensors (8 bytes per logit per TP rank)"
+                            if dims.tp > 1 and cfg.parallelism.loss_parallel
+                            else ""
+                        )
+                    ),
                 }
     record["dry_run_s"] = round(time.perf_counter() - t0, 1)
     return record
@@ -94,8 +109,10 @@ def predicted_record(cfg, gpu: str = DEFAULT_GPU) -> dict:
         "step_time_s": round(pr["step_time_s"], 4),
         "tokens_per_sec_per_gpu": round(pr["tokens_per_sec_per_gpu"], 1),
         "mfu": round(pr["mfu"], 4),
-        "breakdown": {**{k: round(v, 4) for k, v in b.items() if k != "exposed_comm"},
-                      "exposed_comm": {k: round(v, 4) for k, v in b["exposed_comm"].items()}},
+        "breakdown": {
+            **{k: round(v, 4) for k, v in b.items() if k != "exposed_comm"},
+            "exposed_comm": {k: round(v, 4) for k, v in b["exposed_comm"].items()},
+        },
         "fits": pr["fits"],
         "capacity_gib": pr["capacity_gib"],
         "calibration": pr["calibration"],

@@ -18,6 +18,7 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
   the grad-norm all-reduce; what cannot hide is exposed;
 - pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,12 +37,14 @@ OPTIMIZER_BYTES_PER_PARAM = 96
 
 def _args(cfg):
     from core.train import model_args  # the model's shapes as the trainer builds them
+
     return model_args(cfg, None)
 
 
 @functools.lru_cache(maxsize=256)
 def _order(schedule: str, pp: int, n_micro: int, spr: int):
     from core.parallel.pipeline import pipeline_order
+
     return pipeline_order(schedule, pp, n_micro, spr)
 
 
@@ -132,8 +135,9 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
     pw_f = _pointwise_bytes(s, compiled, f8) / r.hbm
     # Backward moves about twice the forward's bytes (gradient in, saved input, gradient out);
     # compiled, the min-cut partitioner also reruns the fused forward kernels it did not save.
-    pw_b = ((3 if compiled else 2) * _pointwise_bytes(s, compiled, False)
-            + (_float8_bwd_bytes(s, compiled) if f8 else 0)) / r.hbm
+    pw_b = (
+        (3 if compiled else 2) * _pointwise_bytes(s, compiled, False) + (_float8_bwd_bytes(s, compiled) if f8 else 0)
+    ) / r.hbm
     T, d = s.tokens, s.d
     # CP ring attention (torch's _context_parallel/_attention.py): the local k and v reach the
     # other ranks by one all-gather issued before step 0 and awaited at step 1 ("allgather": it
@@ -206,8 +210,10 @@ def head_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict
         tp = links["tp"].ring(T * s.d * 2)
         if cfg.parallelism.loss_parallel:
             tp += 2 * links["tp"].ring(4 * T * s.tp)
-    return {"fwd": {"compute": mm, "memory_bound": ce + norm, "tp": tp},
-            "bwd": {"compute": 2 * mm, "memory_bound": ce + 2 * norm, "tp": tp}}
+    return {
+        "fwd": {"compute": mm, "memory_bound": ce + norm, "tp": tp},
+        "bwd": {"compute": 2 * mm, "memory_bound": ce + 2 * norm, "tp": tp},
+    }
 
 
 # =============================================================================================
@@ -276,6 +282,7 @@ def _run_schedule(table: list[list], n_stages: int, cost, hop: float) -> tuple[l
     another stage costs `hop` (PP send/recv). F(s, m) after F(s-1, m); the backward (B or I) of
     (s, m) after that of (s+1, m) and after F(s, m); W after I. Returns per-rank finish and busy."""
     from core.parallel.pipeline import _compute_parts
+
     done: dict[tuple, float] = {}
     pos, free, busy = [0] * len(table), [0.0] * len(table), [0.0] * len(table)
 
@@ -326,15 +333,21 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
     r = _Rates(spec)
     T = s.tokens
     tp = links["tp"].ring(T * s.d * 2) if s.tp > 1 else 0.0
-    return {"fwd": {"memory_bound": 4 * T * s.d / r.hbm, "tp": tp},
-            "bwd": {"memory_bound": (8 * T * s.d + 4 * vocab // s.tp * s.d) / r.hbm, "tp": tp}}
+    return {
+        "fwd": {"memory_bound": 4 * T * s.d / r.hbm, "tp": tp},
+        "bwd": {"memory_bound": (8 * T * s.d + 4 * vocab // s.tp * s.d) / r.hbm, "tp": tp},
+    }
 
 
 def _fsdp_bytes(cfg, sp) -> dict:
     f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
     red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
-    return {"ag_block": sp.block_linear * (1 if f8 else 2) + (sp.block - sp.block_linear) * 2,
-            "ag_root": sp.root * 2, "rs_block": sp.block * red, "rs_root": sp.root * red}
+    return {
+        "ag_block": sp.block_linear * (1 if f8 else 2) + (sp.block - sp.block_linear) * 2,
+        "ag_root": sp.root * 2,
+        "rs_block": sp.block * red,
+        "rs_root": sp.root * red,
+    }
 
 
 def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -> dict:
@@ -342,6 +355,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     GPU system (a spec name, see core/dryrun/hardware, or a GPUSpec). `memory`: the config's
     `estimate_memory` result if the caller has it (else computed) for `fits`."""
     from core.parallel.mesh import ParallelDims
+
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.from_config(p)
@@ -364,9 +378,12 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         b = _fsdp_bytes(cfg, sp)
         fl, rep = links["fsdp"], links["dp_replicate"]
         on = dims.fsdp_enabled
-        return {"ag_block": fl.ring(b["ag_block"]) if on else 0.0, "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
-                "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / shard),
-                "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / shard)}
+        return {
+            "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
+            "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
+            "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / shard),
+            "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / shard),
+        }
 
     if p.pp == 1:
         sp = M.stage_params(a, a.n_layers, True, True, p.tp)
@@ -388,10 +405,14 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         bubble, pp_exposed, params_local = 0.0, 0.0, sp.total
     else:
         from core.parallel.stages import stages_per_rank
+
         n_micro = M.microbatches(cfg)
         table = _order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, a.n_layers))
-        sps = {sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
-               for rank in placement for sid, layers in rank}
+        sps = {
+            sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
+            for rank in placement
+            for sid, layers in rank
+        }
         sc = {sid: _stage_costs(cfg, s, blk, head, emb, sp) for sid, sp in sps.items()}
         ft = {sid: fsdp_times(sp) for sid, sp in sps.items()}
         # FSDP under PP gathers a stage once, at its first forward (blocks prefetched behind
@@ -410,8 +431,9 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         hop = links["pp"].p2p(s.tokens * s.sp * s.d * 2)
         free1, _ = _run_schedule(table, n_stages, cost, hop)
         free0, _ = _run_schedule(table, n_stages, cost, 0.0)
-        tails = [sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank)
-                 for rank in placement]
+        tails = [
+            sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
+        ]
         ends = [f + tl for f, tl in zip(free1, tails)]
         r = max(range(p.pp), key=lambda i: ends[i])
         fb = accum * ends[r]
@@ -431,11 +453,19 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     tokens_step = t.local_batch_size * t.seq_len * accum * dims.dp
     tps = tokens_step / dims.world_size / step
     from core.metrics import flops_per_token
+
     mfu = flops_per_token(a, t.seq_len) * tps / spec.peak_bf16_flops
     mem = memory if memory is not None else M.estimate_memory(cfg, gpu_gib=spec.hbm_capacity_gib)
     breakdown = {**acc.parts, "exposed_comm": dict(acc.comm), "bubble": bubble, "optimizer": optimizer}
-    return {"gpu": spec.name, "step_time_s": step, "tokens_per_sec_per_gpu": tps, "mfu": mfu,
-            "breakdown": breakdown, "fits": mem["allocated_peak_gib"] <= spec.hbm_capacity_gib,
-            "allocated_peak_gib": mem["allocated_peak_gib"], "capacity_gib": spec.hbm_capacity_gib,
-            "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in links.items()},
-            "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks"}
+    return {
+        "gpu": spec.name,
+        "step_time_s": step,
+        "tokens_per_sec_per_gpu": tps,
+        "mfu": mfu,
+        "breakdown": breakdown,
+        "fits": mem["allocated_peak_gib"] <= spec.hbm_capacity_gib,
+        "allocated_peak_gib": mem["allocated_peak_gib"],
+        "capacity_gib": spec.hbm_capacity_gib,
+        "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in links.items()},
+        "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
+    }

@@ -69,29 +69,62 @@ class ModelArgs:
 FLAVORS: dict[str, ModelArgs] = {
     # Small proxies (vocab set by the tokenizer at build time). n_kv_heads and the FFN hidden size
     # divide by the tensor-parallel degrees the proxies use.
-    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                      multiple_of=32, max_seq_len=512),
-    "tiny4": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=32, max_seq_len=512),
+    "tiny": ModelArgs(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE, multiple_of=32, max_seq_len=512
+    ),
+    "tiny4": ModelArgs(
+        dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE, multiple_of=32, max_seq_len=512
+    ),
     # Eight stages for looped pipeline schedules at pp 4 x 2 stages per rank.
-    "tiny8": ModelArgs(dim=64, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=32, max_seq_len=512),
-    "debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=256, max_seq_len=2048),
-    "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE,
-                       multiple_of=256, max_seq_len=2048),
+    "tiny8": ModelArgs(
+        dim=64, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE, multiple_of=32, max_seq_len=512
+    ),
+    "debug": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=PROXY_VOCAB_SIZE, multiple_of=256, max_seq_len=2048
+    ),
+    "small": ModelArgs(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=PROXY_VOCAB_SIZE, multiple_of=256, max_seq_len=2048
+    ),
     # The published Llama 3.1 models (context length 128K).
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                    multiple_of=1024, ffn_dim_multiplier=1.3, rope_scaling=True, max_seq_len=131072),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                     multiple_of=4096, ffn_dim_multiplier=1.3, rope_scaling=True, max_seq_len=131072),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                      multiple_of=4096, ffn_dim_multiplier=1.2, rope_scaling=True, max_seq_len=131072),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+        rope_scaling=True,
+        max_seq_len=131072,
+    ),
 }
 
 
-def get_args(flavor_or_args: str | ModelArgs, vocab_size: int | None = None,
-             max_seq_len: int | None = None) -> ModelArgs:
+def get_args(
+    flavor_or_args: str | ModelArgs, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> ModelArgs:
     """A fresh ModelArgs for a flavor name (or a copy of the given args) with overrides applied."""
     if isinstance(flavor_or_args, str):
         if flavor_or_args not in FLAVORS:
@@ -144,8 +177,10 @@ def check_shape(cfg: JobConfig) -> ModelArgs:
     if (dim // heads) % 2:
         raise ConfigError(f"model.n_heads: head dim {src} / n_heads {heads} = {dim // heads} must be even (RoPE)")
     if heads % kv:
-        raise ConfigError(f"model.n_kv_heads: {kv} does not divide model.n_heads {heads}"
-                          + ("" if m.n_kv_heads else f" (the {m.flavor} flavor's n_kv_heads: set model.n_kv_heads)"))
+        raise ConfigError(
+            f"model.n_kv_heads: {kv} does not divide model.n_heads {heads}"
+            + ("" if m.n_kv_heads else f" (the {m.flavor} flavor's n_kv_heads: set model.n_kv_heads)")
+        )
     return model_args(cfg, None)
 
 
@@ -170,6 +205,14 @@ def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
 
 def shape_record(args: ModelArgs) -> dict:
     """The resolved shape and analytic parameter count, as a result record carries them."""
-    return {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-            "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim, "multiple_of": args.multiple_of,
-            "ffn_dim_multiplier": args.ffn_dim_multiplier, "param_count": param_count(args)}
+    return {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "vocab_size": args.vocab_size,
+        "ffn_hidden_dim": args.ffn_hidden_dim,
+        "multiple_of": args.multiple_of,
+        "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        "param_count": param_count(args),
+    }

@@ -29,12 +29,7 @@ from typing import Any
 
 import torch
 
-from core.models.args import (
-    ROPE_HIGH_FREQ_FACTOR,
-    ROPE_LOW_FREQ_FACTOR,
-    ROPE_SCALING_FACTOR,
-    ModelArgs,
-)
+from core.models.args import ROPE_HIGH_FREQ_FACTOR, ROPE_LOW_FREQ_FACTOR, ROPE_SCALING_FACTOR, ModelArgs
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -122,9 +117,7 @@ def _transformers_uses_rope_parameters() -> bool:
         from transformers import LlamaConfig  # local: optional (test extra), seconds to import
     except ImportError:
         return True
-    return "rope_parameters" in getattr(LlamaConfig, "__annotations__", {}) or hasattr(
-        LlamaConfig(), "rope_parameters"
-    )
+    return "rope_parameters" in getattr(LlamaConfig, "__annotations__", {}) or hasattr(LlamaConfig(), "rope_parameters")
 
 
 def hf_config(args: ModelArgs) -> dict[str, Any]:

@@ -47,9 +47,25 @@ from core.models.args import (
     param_count,
 )
 
-__all__ = ["FLAVORS", "LLAMA3_VOCAB_SIZE", "PROXY_VOCAB_SIZE", "Attention", "FeedForward", "ModelArgs", "RMSNorm",
-           "ScaledDotProductAttention", "Transformer", "TransformerBlock", "apply_rope_scaling", "apply_rotary_emb",
-           "build_model", "count_params", "get_args", "precompute_freqs_cis", "repeat_kv"]
+__all__ = [
+    "FLAVORS",
+    "LLAMA3_VOCAB_SIZE",
+    "PROXY_VOCAB_SIZE",
+    "Attention",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "ScaledDotProductAttention",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope_scaling",
+    "apply_rotary_emb",
+    "build_model",
+    "count_params",
+    "get_args",
+    "precompute_freqs_cis",
+    "repeat_kv",
+]
 
 # ----------------------------------------------------------------------------------------------
 # Rotary position embedding (Meta's interleaved layout: pairs (x0, x1), (x2, x3), ... are complex)
@@ -61,9 +77,7 @@ def apply_rope_scaling(freqs: torch.Tensor, original_max_seq_len: int) -> torch.
     low_freq_wavelen = original_max_seq_len / ROPE_LOW_FREQ_FACTOR
     high_freq_wavelen = original_max_seq_len / ROPE_HIGH_FREQ_FACTOR
     wavelen = 2 * math.pi / freqs
-    smooth = (original_max_seq_len / wavelen - ROPE_LOW_FREQ_FACTOR) / (
-        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
-    )
+    smooth = (original_max_seq_len / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
     blended = (1 - smooth) * freqs / ROPE_SCALING_FACTOR + smooth * freqs
     return torch.where(
         wavelen < high_freq_wavelen,
@@ -237,7 +251,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            std = self.args.dim ** -0.5
+            std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -247,8 +261,10 @@ class Transformer(nn.Module):
         (bs, seqlen, dim); without ``norm``/``output`` the hidden states are returned.
         """
         if not self.freqs_cis.is_complex():
-            raise RuntimeError("freqs_cis lost its imaginary part: was the model cast with "
-                               ".to(dtype)? Use a mixed-precision policy instead")
+            raise RuntimeError(
+                "freqs_cis lost its imaginary part: was the model cast with "
+                ".to(dtype)? Use a mixed-precision policy instead"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs_cis = self.freqs_cis  # apply_rotary_emb slices it to the attention's sequence
         for layer in self.layers.values():
@@ -280,9 +296,12 @@ def count_params(model_or_args: nn.Module | ModelArgs | str, exclude_embedding: 
     return param_count(model_or_args, exclude_embedding)
 
 
-def build_model(flavor_or_args: str | ModelArgs, vocab_size: int | None = None,
-                max_seq_len: int | None = None,
-                device: str | torch.device = "meta") -> Transformer:
+def build_model(
+    flavor_or_args: str | ModelArgs,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    device: str | torch.device = "meta",
+) -> Transformer:
     """Construct a Transformer on ``device``. On "meta" nothing is allocated: call
     ``to_empty(device=...)`` and ``init_weights()`` after parallelising. On a real device the
     weights are initialised here."""

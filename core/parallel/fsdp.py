@@ -3,6 +3,7 @@
 HSDP is FSDP2 on a 2-D mesh (dp_replicate, dp_shard_cp): replicate across the first dim,
 shard across the second.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,14 @@ def fsdp_mesh(world_mesh: WorldMesh, dp_replicate: int) -> DeviceMesh:
     return world_mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
-               reduce_dtype: str = "float32", reshard_after_forward: str = "default",
-               pp_enabled: bool = False) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: str = "default",
+    pp_enabled: bool = False,
+) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     if reshard_after_forward == "default":
         # With PP, several microbatches reuse the parameters between forward and backward:
@@ -34,7 +40,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str = "float32",
     layers = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
     for i, block in enumerate(layers):
         # The last block's parameters are needed again at once by backward: keep them.
-        fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard and i < len(layers) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     return model

@@ -5,6 +5,7 @@ by name. Flattened views: `dp` (data loading: ranks that see different batches),
 `dp_shard_cp` (FSDP shards parameters over dp_shard x cp, as torchtitan does) and `dp_cp`
 (loss averaging and gradient reduction span every rank that sees different tokens).
 """
+
 from __future__ import annotations
 
 import datetime

@@ -2,6 +2,7 @@
 PyTorch's composability needs: Float8 -> TP/SP (+ AsyncTP) -> activation checkpointing -> per-block
 compile -> FSDP2. Each step is one small module; this file only decides which ones run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from core.toggles.float8 import apply_float8  # torchao itself is imported only 
 @dataclass
 class Toggles:
     """What a run applied, and why anything asked for was not (copied into the result record)."""
+
     applied: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -32,8 +34,7 @@ class Toggles:
         self.skipped[name] = reason
 
 
-def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobConfig,
-                toggles: Toggles) -> nn.Module:
+def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobConfig, toggles: Toggles) -> nn.Module:
     if cfg.float8.enabled:
         # Before TP: torchao's float8 TP styles (float8 all-gather) only accept Float8Linear.
         apply_float8(model, cfg, toggles)
@@ -42,13 +43,20 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
         if cfg.parallelism.enable_async_tp:
             apply_async_tp(mesh["tp"], cfg, toggles)
     if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint, toggles,
-                 save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm)
+        apply_ac(
+            model, cfg.activation_checkpoint, toggles, save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm
+        )
     if cfg.compile.enabled:
         apply_compile(model, cfg.compile, toggles)
     if dims.fsdp_enabled:
         t, p = cfg.training, cfg.parallelism
-        apply_fsdp(model, fsdp_mesh(mesh, dims.dp_replicate), t.mixed_precision_param,
-                   t.mixed_precision_reduce, p.fsdp_reshard_after_forward, pp_enabled=dims.pp > 1)
+        apply_fsdp(
+            model,
+            fsdp_mesh(mesh, dims.dp_replicate),
+            t.mixed_precision_param,
+            t.mixed_precision_reduce,
+            p.fsdp_reshard_after_forward,
+            pp_enabled=dims.pp > 1,
+        )
         toggles.apply("hsdp" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "fsdp")
     return model

@@ -16,6 +16,7 @@ accumulation steps) and the schedule divides the accumulated gradients by the mi
 
 `bubble_fraction` computes a schedule's ideal idle fraction from its own action table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def library_schedules() -> dict[str, type]:
     out = {}
     for attr in S.__all__:
         if attr.startswith("Schedule"):
-            out[attr[len("Schedule"):]] = getattr(S, attr)
+            out[attr[len("Schedule") :]] = getattr(S, attr)
     return out
 
 
@@ -63,8 +64,10 @@ def schedule_class(name: str) -> type:
     try:
         return get_schedule_class(name)
     except ValueError:
-        raise ConfigError(f"parallelism.pp_schedule: {name!r} is not offered by torch {torch.__version__} "
-                          f"(it offers: {', '.join(library_schedules())})") from None
+        raise ConfigError(
+            f"parallelism.pp_schedule: {name!r} is not offered by torch {torch.__version__} "
+            f"(it offers: {', '.join(library_schedules())})"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------ splitting
@@ -94,8 +97,16 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- building
-def build_pipeline(model: nn.Module, mesh, dims, cfg: JobConfig, device: torch.device,
-                   loss_fn: Callable, toggles, parallelize: Callable):
+def build_pipeline(
+    model: nn.Module,
+    mesh,
+    dims,
+    cfg: JobConfig,
+    device: torch.device,
+    loss_fn: Callable,
+    toggles,
+    parallelize: Callable,
+):
     """Split `model` into this pp rank's stages, parallelize each, wrap them in the schedule.
 
     Returns (schedule, model_parts): the parts ordered by stage index.
@@ -182,8 +193,9 @@ def _renumber_if_needed(table: list[list], m: int) -> list[list]:
         row = []
         for a in rank:
             if a.computation_type.value == "OVERLAP_F_B":
-                row.append(_Action(a.stage_index, a.computation_type, a.microbatch_index,
-                                   tuple(fix(s) for s in a.sub_actions)))
+                row.append(
+                    _Action(a.stage_index, a.computation_type, a.microbatch_index, tuple(fix(s) for s in a.sub_actions))
+                )
             else:
                 row.append(fix(a))
         out.append(row)
@@ -254,12 +266,16 @@ def simulate(table: list[list], n_stages: int, costs: dict[str, float] | None = 
             stuck = {r: str(row[pos[r]]) for r, row in enumerate(table) if pos[r] < len(row)}
             raise RuntimeError(f"pipeline table deadlocks at {stuck}")
     makespan = max(free)
-    return {"makespan": makespan, "busy": busy,
-            "bubble_fraction": 1.0 - sum(busy) / (len(table) * makespan)}
+    return {"makespan": makespan, "busy": busy, "bubble_fraction": 1.0 - sum(busy) / (len(table) * makespan)}
 
 
-def bubble_fraction(schedule_name: str, pp: int, n_microbatches: int, stages_per_rank: int | None = None,
-                    costs: dict[str, float] | None = None) -> float:
+def bubble_fraction(
+    schedule_name: str,
+    pp: int,
+    n_microbatches: int,
+    stages_per_rank: int | None = None,
+    costs: dict[str, float] | None = None,
+) -> float:
     """Ideal idle fraction of `schedule_name` at pp ranks and n microbatches (hardware independent):
     simulate its own action table with stated costs (F 1, B 2 = I 1 + W 1, free communication).
     1F1B and GPipe give (pp - 1) / (m + pp - 1); interleaving v stages per rank divides the
@@ -270,8 +286,9 @@ def bubble_fraction(schedule_name: str, pp: int, n_microbatches: int, stages_per
     return simulate(table, pp * stages_per_rank, costs)["bubble_fraction"]
 
 
-def bubble_rows(schedules: Sequence[str], pps: Sequence[int], microbatches: Sequence[int],
-                looped_stages_per_rank: int = 2) -> list[dict]:
+def bubble_rows(
+    schedules: Sequence[str], pps: Sequence[int], microbatches: Sequence[int], looped_stages_per_rank: int = 2
+) -> list[dict]:
     """Bubble fraction of each schedule x pp x microbatch count, and the ideal speed-up over 1F1B
     at the same pp and microbatches ((1 - bubble) / (1 - bubble_1F1B)). None where torch's
     schedule refuses the combination."""
@@ -290,10 +307,17 @@ def bubble_rows(schedules: Sequence[str], pps: Sequence[int], microbatches: Sequ
                     b, note = None, str(e).splitlines()[0]
                 else:
                     note = ""
-                rows.append({"schedule": name, "pp": pp, "microbatches": m, "stages_per_rank": spr,
-                             "bubble_fraction": b,
-                             "ideal_speedup_vs_1F1B": (1 - b) / (1 - base) if b is not None and base is not None
-                             else None, "note": note})
+                rows.append(
+                    {
+                        "schedule": name,
+                        "pp": pp,
+                        "microbatches": m,
+                        "stages_per_rank": spr,
+                        "bubble_fraction": b,
+                        "ideal_speedup_vs_1F1B": (1 - b) / (1 - base) if b is not None and base is not None else None,
+                        "note": note,
+                    }
+                )
     return rows
 
 
@@ -308,12 +332,23 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rows = bubble_rows(a.schedules, a.pp, a.microbatches, a.stages_per_rank)
     print(f"costs per microbatch and stage, in forwards: {DEFAULT_COSTS}; communication free")
-    print(tabulate([[r["schedule"], r["pp"], r["microbatches"], r["stages_per_rank"],
-                     "" if r["bubble_fraction"] is None else f"{r['bubble_fraction']:.4f}",
-                     "" if r["ideal_speedup_vs_1F1B"] is None else f"{r['ideal_speedup_vs_1F1B']:.3f}",
-                     r["note"][:60]] for r in rows],
-                   headers=["schedule", "pp", "microbatches", "stages/rank", "bubble", "speed-up vs 1F1B",
-                            "note"]))
+    print(
+        tabulate(
+            [
+                [
+                    r["schedule"],
+                    r["pp"],
+                    r["microbatches"],
+                    r["stages_per_rank"],
+                    "" if r["bubble_fraction"] is None else f"{r['bubble_fraction']:.4f}",
+                    "" if r["ideal_speedup_vs_1F1B"] is None else f"{r['ideal_speedup_vs_1F1B']:.3f}",
+                    r["note"][:60],
+                ]
+                for r in rows
+            ],
+            headers=["schedule", "pp", "microbatches", "stages/rank", "bubble", "speed-up vs 1F1B", "note"],
+        )
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ The config's validation, the pipeline builder and the dry-run's memory accountin
 these, so a layout is split the same way everywhere and the dry-run needs no torch for it.
 Arguments are the config's dataclasses (`Parallelism`, `JobConfig`), read by attribute.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,8 +20,9 @@ if TYPE_CHECKING:  # type names only: core.config imports this module
 
 # The schedules `torch.distributed.pipelining.schedules.get_schedule_class` takes
 # (tests/test_pipeline.py checks the list against the installed torch).
-PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                     "ZBVZeroBubble", "DualPipeV"]
+PPSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
 PP_SCHEDULES: tuple[str, ...] = typing.get_args(PPSchedule)
 PP_SCHEDULES_SINGLE = ("GPipe", "1F1B")  # one stage per rank
 PP_SCHEDULES_LOOPED = tuple(s for s in PP_SCHEDULES if s not in PP_SCHEDULES_SINGLE)  # >= 2 per rank
@@ -56,8 +58,9 @@ def pp_microbatches(p: Parallelism, n_layers: int | None = None) -> int:
     return p.pp_microbatches or p.pp * stages_per_rank(p, n_layers)
 
 
-def split_layers(n_layers: int, n_stages: int, layers_per_stage: int = 0,
-                 split_points: Sequence[int] = ()) -> list[list[int]]:
+def split_layers(
+    n_layers: int, n_stages: int, layers_per_stage: int = 0, split_points: Sequence[int] = ()
+) -> list[list[int]]:
     """Layer indices of each stage. Raises ConfigError naming the key when it cannot be done.
 
     - split_points: the first layer of stages 1 .. n-1 (strictly increasing);
@@ -71,12 +74,12 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: int = 0,
     if split_points:
         pts = list(split_points)
         if len(pts) != n_stages - 1:
-            raise ConfigError(f"parallelism.pp_split_points: {len(pts)} split points for {n_stages} stages "
-                              f"(need {n_stages - 1})")
+            raise ConfigError(
+                f"parallelism.pp_split_points: {len(pts)} split points for {n_stages} stages (need {n_stages - 1})"
+            )
         bounds = [0, *pts, n_layers]
         if any(b >= e for b, e in itertools.pairwise(bounds)):
-            raise ConfigError(f"parallelism.pp_split_points: {pts} must increase strictly within "
-                              f"1..{n_layers - 1}")
+            raise ConfigError(f"parallelism.pp_split_points: {pts} must increase strictly within 1..{n_layers - 1}")
         return [list(range(b, e)) for b, e in itertools.pairwise(bounds)]
     if layers_per_stage:
         short = n_stages * layers_per_stage - n_layers
@@ -84,7 +87,8 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: int = 0,
         if short < 0 or max(last_short, first_short) >= layers_per_stage:
             raise ConfigError(
                 f"parallelism.pp_layers_per_stage: {layers_per_stage} layers x {n_stages} stages cannot "
-                f"hold {n_layers} layers with at least one layer on every stage")
+                f"hold {n_layers} layers with at least one layer on every stage"
+            )
         sizes = [layers_per_stage] * n_stages
         sizes[-1] -= last_short
         sizes[0] -= first_short
@@ -126,17 +130,30 @@ def check_pipeline(cfg: JobConfig, n_layers: int) -> None:
     t, p = cfg.training, cfg.parallelism
     spr = stages_per_rank(p, n_layers)
     if p.pp_split_points and (len(p.pp_split_points) + 1) % p.pp:
-        raise ConfigError(f"parallelism.pp_split_points: {len(p.pp_split_points) + 1} stages do not divide "
-                          f"over pp {p.pp} ranks")
-    if p.pp_layers_per_stage and not p.pp_split_points and not p.pp_stages_per_rank \
-            and -(-n_layers // p.pp_layers_per_stage) % p.pp:
-        raise ConfigError(f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} gives "
-                          f"{-(-n_layers // p.pp_layers_per_stage)} stages for {n_layers} layers, not a "
-                          f"multiple of pp {p.pp}")
+        raise ConfigError(
+            f"parallelism.pp_split_points: {len(p.pp_split_points) + 1} stages do not divide over pp {p.pp} ranks"
+        )
+    if (
+        p.pp_layers_per_stage
+        and not p.pp_split_points
+        and not p.pp_stages_per_rank
+        and -(-n_layers // p.pp_layers_per_stage) % p.pp
+    ):
+        raise ConfigError(
+            f"parallelism.pp_layers_per_stage: {p.pp_layers_per_stage} gives "
+            f"{-(-n_layers // p.pp_layers_per_stage)} stages for {n_layers} layers, not a "
+            f"multiple of pp {p.pp}"
+        )
     # the key that set the stage count, named in the errors below
-    src = "parallelism." + ("pp_stages_per_rank" if p.pp_stages_per_rank else "pp_split_points"
-                            if p.pp_split_points else "pp_layers_per_stage" if p.pp_layers_per_stage
-                            else "pp_stages_per_rank")
+    src = "parallelism." + (
+        "pp_stages_per_rank"
+        if p.pp_stages_per_rank
+        else "pp_split_points"
+        if p.pp_split_points
+        else "pp_layers_per_stage"
+        if p.pp_layers_per_stage
+        else "pp_stages_per_rank"
+    )
     if p.pp_schedule in V_SCHEDULES and spr != 2:
         raise ConfigError(f"{src}: {p.pp_schedule} needs exactly 2 stages per rank, got {spr}")
     if p.pp_schedule in PP_SCHEDULES_SINGLE and spr != 1:
@@ -147,22 +164,28 @@ def check_pipeline(cfg: JobConfig, n_layers: int) -> None:
     if n_stages > n_layers:
         raise ConfigError(
             f"parallelism.pp: {n_stages} pipeline stages (pp {p.pp} x {spr} per rank) "
-            f"exceed the model's {n_layers} layers ({cfg.model.flavor})")
+            f"exceed the model's {n_layers} layers ({cfg.model.flavor})"
+        )
     split_layers(n_layers, n_stages, p.pp_layers_per_stage, p.pp_split_points)
     micro = pp_microbatches(p, n_layers)
     if micro < p.pp:
         raise ConfigError(
-            f"parallelism.pp_microbatches: {micro} microbatches cannot fill a {p.pp}-rank pipeline "
-            f"(need >= {p.pp})")
+            f"parallelism.pp_microbatches: {micro} microbatches cannot fill a {p.pp}-rank pipeline (need >= {p.pp})"
+        )
     if p.pp_schedule == "DualPipeV" and micro < n_stages:
         raise ConfigError(f"parallelism.pp_microbatches: DualPipeV needs >= one per stage ({n_stages}), got {micro}")
     rounds = max(1, micro // p.pp)  # torch's interleaved schedules run micro // pp rounds
     if p.pp_schedule in ROUND_SCHEDULES and micro % rounds:
-        raise ConfigError(f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of "
-                          f"{rounds} rounds (microbatches // pp), got {micro}")
+        raise ConfigError(
+            f"parallelism.pp_microbatches: {p.pp_schedule} needs a multiple of "
+            f"{rounds} rounds (microbatches // pp), got {micro}"
+        )
     if t.local_batch_size % micro:
         raise ConfigError(
-            f"parallelism.pp_microbatches: {micro} does not divide training.local_batch_size {t.local_batch_size}")
+            f"parallelism.pp_microbatches: {micro} does not divide training.local_batch_size {t.local_batch_size}"
+        )
     if cfg.compile.enabled and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise ConfigError(f"compile.enabled: torch's {p.pp_schedule} splits the backward into input and "
-                          "weight parts, which it does not support on compiled stages")
+        raise ConfigError(
+            f"compile.enabled: torch's {p.pp_schedule} splits the backward into input and "
+            "weight parts, which it does not support on compiled stages"
+        )

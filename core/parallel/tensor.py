@@ -11,6 +11,7 @@ Loss parallel: the output projection keeps its vocabulary-sharded logits as a DT
 (Shard(-1)) and the trainer computes cross-entropy under `loss_parallel()`, so the full logits
 never exist on one rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,6 +45,7 @@ def tp_styles(model: nn.Module, cfg: JobConfig, toggles=None):
         reason = f"float8 TP styles support the tensorwise recipe only (recipe {cfg.float8.recipe})"
     else:
         from torchao.float8.float8_linear import Float8Linear  # local: torchao only when Float8 is on
+
         block = next(iter(model.layers.values()), None) if model.layers is not None else None
         if block is None or not isinstance(block.attention.wq, Float8Linear):
             reason = "linears are not Float8Linear when TP is applied (convert float8 before apply_tp)"
@@ -60,6 +62,7 @@ def tp_styles(model: nn.Module, cfg: JobConfig, toggles=None):
         Float8RowwiseParallel,
         PrepareFloat8ModuleInput,
     )
+
     if toggles is not None:
         toggles.apply("float8_tp")
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -83,27 +86,31 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> 
         top["output"] = ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel)
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
 
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            # SequenceParallel turns the norm weights into (replicated) DTensors as well: plain
-            # tensors next to DTensors would break AdamW(foreach=True) and grad clipping.
-            "attention_norm": SequenceParallel(),
-            "attention": prepare_input(input_layouts=(Shard(1), None),
-                                       desired_input_layouts=(Replicate(), None)),
-            "attention.wq": colwise(),
-            "attention.wk": colwise(),
-            "attention.wv": colwise(),
-            "attention.wo": rowwise(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": colwise(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                # SequenceParallel turns the norm weights into (replicated) DTensors as well: plain
+                # tensors next to DTensors would break AdamW(foreach=True) and grad clipping.
+                "attention_norm": SequenceParallel(),
+                "attention": prepare_input(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "attention.wq": colwise(),
+                "attention.wk": colwise(),
+                "attention.wv": colwise(),
+                "attention.wo": rowwise(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": colwise(),
+            },
+        )
 
     toggles.apply("tp")
     toggles.apply("sequence_parallel")

@@ -11,6 +11,7 @@
 
 No dropout in the model, so the RNG state need not be replayed (preserve_rng_state=False).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -75,8 +76,7 @@ def wrap_block(block: nn.Module, mode: str, save_every_other_mm: bool = False) -
     if mode == "full":
         wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
     elif mode == "op":
-        wrapped = checkpoint_wrapper(block, context_fn=_op_context_fn(save_every_other_mm),
-                                     preserve_rng_state=False)
+        wrapped = checkpoint_wrapper(block, context_fn=_op_context_fn(save_every_other_mm), preserve_rng_state=False)
     else:
         raise ValueError(f"unknown AC mode {mode!r}")
     wrapped.ac_mode = mode  # read by core.toggles.compile

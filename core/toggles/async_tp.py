@@ -12,6 +12,7 @@ core.validate.validate. On anything else: real mode refuses before launch (Confi
 requirement); proxy mode runs without it and records `toggles_skipped["async_tp"]` with the
 reason (on CPU symmetric memory does not exist and the inductor pass would fuse nothing).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -37,7 +38,7 @@ def _nvlink_between_all_gpus(n: int) -> bool:
         return True
     rows = [line.split() for line in out.splitlines() if line.startswith("GPU")]
     for i, row in enumerate(rows[:n]):
-        links = row[1:1 + n]
+        links = row[1 : 1 + n]
         if any(j != i and not link.startswith("NV") for j, link in enumerate(links)):
             return False
     return True
@@ -75,6 +76,7 @@ def apply_async_tp(tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> bool:
         toggles.skip("async_tp", problem)
         return False
     import torch._inductor.config as inductor_config  # ~1 s import: AsyncTP runs only
+
     inductor_config._micro_pipeline_tp = True
     symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     toggles.apply("async_tp")

@@ -11,6 +11,7 @@ Compiled artifacts (inductor's FX graph cache, AOTAutograd cache, generated C++/
 go to TORCHINDUCTOR_CACHE_DIR; unless the caller set it we use `.cache/inductor` under the
 repo, so a rerun of any job on this machine skips the cold compile.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,6 +36,7 @@ def ensure_cache_dir() -> str:
     # Imported here: inductor's config costs ~1 s to import and only compile runs need it.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     return path
@@ -95,6 +97,7 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles) -> nn.Module:
     ensure_cache_dir()
     if cfg.emulate_precision_casts:
         import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
+
         inductor_config.emulate_precision_casts = True
     for name, block in blocks:
         layers.register_module(name, compile_block(block, cfg))

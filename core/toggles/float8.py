@@ -22,6 +22,7 @@ proxy rows set `float8.emulate` (torchao's emulation: the same float8 quantizati
 weights, the matmul in fp32); records name it `float8:emulated`. The parity suite and the
 loss-convergence rows keep the real `_scaled_mm` on their tiny dims.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +52,7 @@ def fp8_all_gather_active(cfg: JobConfig) -> bool:
 
 def float8_config(cfg: JobConfig):
     from torchao.float8 import Float8LinearConfig
+
     f = cfg.float8
     if f.recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather_active(cfg), emulate=f.emulate)
@@ -138,10 +140,14 @@ def hardware_problem(cfg: JobConfig) -> str | None:
         cap = torch.cuda.get_device_capability()
         if tuple(cap) < MIN_CUDA_CAPABILITY:
             name = torch.cuda.get_device_name()
-            return (f"float8.enabled: float8 matmuls need CUDA compute capability >= sm89 (Ada/Hopper, "
-                    f"e.g. H100); this GPU ({name}) is sm{cap[0]}{cap[1]} (or set float8.emulate=true)")
+            return (
+                f"float8.enabled: float8 matmuls need CUDA compute capability >= sm89 (Ada/Hopper, "
+                f"e.g. H100); this GPU ({name}) is sm{cap[0]}{cap[1]} (or set float8.emulate=true)"
+            )
         return None
     if cfg.job.mode == "real":
-        return ("float8.enabled: real mode needs CUDA GPUs with compute capability >= sm89 "
-                "(Ada/Hopper, e.g. H100); no CUDA device here")
+        return (
+            "float8.enabled: real mode needs CUDA GPUs with compute capability >= sm89 "
+            "(Ada/Hopper, e.g. H100); no CUDA device here"
+        )
     return None

@@ -6,6 +6,7 @@ Rows: trainer_vs_bare_loop (trainer tokens/s / bare PyTorch loop tokens/s, world
 (fraction of the measured CPU bf16 matmul peak), fsdp_state_bytes_w{1,2,4} (parameters +
 optimizer state held by one rank), plus the rows other benchmarks add (checkpoint, toggles).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -27,13 +28,18 @@ COLUMNS = ["benchmark", "value", "unit", "notes"]
 
 
 def _bench_config(flavor: str, seq_len: int, batch: int, steps: int, dtype: str):
-    cfg = load_config(None, synthetic_job(flavor, seq_len, batch, steps, f"--training.mixed_precision_param={dtype}",
-                                          "--lr_scheduler.warmup_steps=1"))
+    cfg = load_config(
+        None,
+        synthetic_job(
+            flavor, seq_len, batch, steps, f"--training.mixed_precision_param={dtype}", "--lr_scheduler.warmup_steps=1"
+        ),
+    )
     return validate(cfg, 1, check_files=False)
 
 
-def trainer_vs_bare_loop(flavor: str = "small", seq_len: int = 256, batch: int = 4, steps: int = 6,
-                         rounds: int = 2, dtype: str = "bfloat16") -> dict:
+def trainer_vs_bare_loop(
+    flavor: str = "small", seq_len: int = 256, batch: int = 4, steps: int = 6, rounds: int = 2, dtype: str = "bfloat16"
+) -> dict:
     """Alternate trainer and bare loop `rounds` times in this process; median steady step time."""
     cfg = _bench_config(flavor, seq_len, batch, steps, dtype)
     tokens = seq_len * batch
@@ -48,9 +54,12 @@ def trainer_vs_bare_loop(flavor: str = "small", seq_len: int = 256, batch: int =
     t_trainer, t_bare = statistics.median(trainer_times), statistics.median(bare_times)
     rec = records[-1]
     return {
-        "trainer_tokens_per_s": tokens / t_trainer, "bare_tokens_per_s": tokens / t_bare,
-        "ratio": t_bare / t_trainer, "mfu": rec["flops_per_token"] * tokens / t_trainer / rec["hardware"]["peak_flops"],
-        "peak_flops": rec["hardware"]["peak_flops"], "params": rec["model"]["params"],
+        "trainer_tokens_per_s": tokens / t_trainer,
+        "bare_tokens_per_s": tokens / t_bare,
+        "ratio": t_bare / t_trainer,
+        "mfu": rec["flops_per_token"] * tokens / t_trainer / rec["hardware"]["peak_flops"],
+        "peak_flops": rec["hardware"]["peak_flops"],
+        "params": rec["model"]["params"],
         "shape": f"{flavor} ({rec['model']['params'] / 1e6:.1f}M params), seq {seq_len}, batch {batch}, {dtype}",
     }
 
@@ -82,20 +91,38 @@ def bench(quick: bool) -> None:
     shape = {"flavor": "debug", "steps": 3, "rounds": 1} if quick else {}
     click.echo("[bench] trainer vs bare PyTorch loop (world 1, same process) ...")
     r = trainer_vs_bare_loop(**shape)
-    rows.append({"benchmark": "trainer_vs_bare_loop", "value": f"{r['ratio']:.3f}", "unit": "ratio",
-                 "notes": f"trainer {r['trainer_tokens_per_s']:.0f} vs bare {r['bare_tokens_per_s']:.0f} tokens/s; "
-                          f"{r['shape']}; median steady step; goal >= 0.97"})
-    rows.append({"benchmark": "proxy_mfu", "value": f"{r['mfu']:.3f}", "unit": "fraction of measured peak",
-                 "notes": f"{r['shape']}; peak = measured bf16 matmul {r['peak_flops'] / 1e9:.0f} GFLOP/s; "
-                          "FLOPs/token = 6(N-N_emb)+12*L*H*(D/H)*T"})
+    rows.append(
+        {
+            "benchmark": "trainer_vs_bare_loop",
+            "value": f"{r['ratio']:.3f}",
+            "unit": "ratio",
+            "notes": f"trainer {r['trainer_tokens_per_s']:.0f} vs bare {r['bare_tokens_per_s']:.0f} tokens/s; "
+            f"{r['shape']}; median steady step; goal >= 0.97",
+        }
+    )
+    rows.append(
+        {
+            "benchmark": "proxy_mfu",
+            "value": f"{r['mfu']:.3f}",
+            "unit": "fraction of measured peak",
+            "notes": f"{r['shape']}; peak = measured bf16 matmul {r['peak_flops'] / 1e9:.0f} GFLOP/s; "
+            "FLOPs/token = 6(N-N_emb)+12*L*H*(D/H)*T",
+        }
+    )
     click.echo(f"[bench] trainer/bare = {r['ratio']:.3f}, MFU = {r['mfu']:.3f}")
     click.echo("[bench] FSDP2 parameter+optimizer bytes per rank at world 1, 2, 4 ...")
     sizes = fsdp_state_bytes()
     for world, b in sizes.items():
-        rows.append({"benchmark": f"fsdp_state_bytes_w{world}", "value": str(b), "unit": "bytes",
-                     "notes": f"params + AdamW state on the largest rank, debug flavor, FSDP2 world {world}; "
-                              f"{sizes[1] / b:.2f}x less than world 1"})
-        click.echo(f"[bench]   world {world}: {b / 2 ** 20:.1f} MiB")
+        rows.append(
+            {
+                "benchmark": f"fsdp_state_bytes_w{world}",
+                "value": str(b),
+                "unit": "bytes",
+                "notes": f"params + AdamW state on the largest rank, debug flavor, FSDP2 world {world}; "
+                f"{sizes[1] / b:.2f}x less than world 1",
+            }
+        )
+        click.echo(f"[bench]   world {world}: {b / 2**20:.1f} MiB")
     for extra in _extra_benchmarks():
         click.echo(f"[bench] {extra.__doc__.splitlines()[0] if extra.__doc__ else extra.__name__} ...")
         rows += extra(quick=quick)

@@ -17,6 +17,7 @@ the next save; with a shorter one the loop also waits for the previous upload (r
 
     run-recipe checkpoint-bench [--out results/checkpoint_overhead.csv] [--flavor debug]
 """
+
 from __future__ import annotations
 
 import os
@@ -37,12 +38,33 @@ MODES = ("disabled", "async", "async_with_pinned_mem")
 COLUMNS = ("mode", "blocking_s", "total_s")
 
 
-def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps: int = 26,
-            interval: int = 5, seq_len: int = 64, local_batch_size: int = 4) -> dict:
+def measure(
+    mode: str,
+    out_dir: str | os.PathLike,
+    flavor: str = "debug",
+    steps: int = 26,
+    interval: int = 5,
+    seq_len: int = 64,
+    local_batch_size: int = 4,
+) -> dict:
     """Train `steps` steps with checkpoint.async_mode=mode; median timings of the in-loop saves."""
-    cfg = validate(load_config(None, synthetic_job(
-        flavor, seq_len, local_batch_size, steps, f"--job.output_dir={out_dir}", "--checkpoint.enabled=true",
-        f"--checkpoint.interval={interval}", f"--checkpoint.async_mode={mode}")), 1, check_files=False)
+    cfg = validate(
+        load_config(
+            None,
+            synthetic_job(
+                flavor,
+                seq_len,
+                local_batch_size,
+                steps,
+                f"--job.output_dir={out_dir}",
+                "--checkpoint.enabled=true",
+                f"--checkpoint.interval={interval}",
+                f"--checkpoint.async_mode={mode}",
+            ),
+        ),
+        1,
+        check_files=False,
+    )
     trainer = Trainer(cfg)
     trainer.train()
     stats = trainer.checkpointer.stats
@@ -53,18 +75,27 @@ def measure(mode: str, out_dir: str | os.PathLike, flavor: str = "debug", steps:
     def med(key: str) -> float:  # shared CPUs: medians
         return statistics.median(s[key] for s in saves)
 
-    return {"mode": "sync" if mode == "disabled" else mode,
-            "blocking_s": med("blocking_s"), "total_s": med("total_s"), "wait_s": med("wait_s"),
-            "saves": len(saves), "first_blocking_s": stats[0]["blocking_s"]}
+    return {
+        "mode": "sync" if mode == "disabled" else mode,
+        "blocking_s": med("blocking_s"),
+        "total_s": med("total_s"),
+        "wait_s": med("wait_s"),
+        "saves": len(saves),
+        "first_blocking_s": stats[0]["blocking_s"],
+    }
 
 
 def default_csv() -> Path:
     return launcher.results_root() / "checkpoint_overhead.csv"
 
 
-def run_checkpoint_bench(out_csv: str | os.PathLike | None = None,
-                         flavor: str = "debug", steps: int = 26, interval: int = 5,
-                         work_dir: str | os.PathLike | None = None) -> list[dict]:
+def run_checkpoint_bench(
+    out_csv: str | os.PathLike | None = None,
+    flavor: str = "debug",
+    steps: int = 26,
+    interval: int = 5,
+    work_dir: str | os.PathLike | None = None,
+) -> list[dict]:
     """Measure every mode and write `out_csv` (columns mode, blocking_s, total_s). Runs in this
     process, in the world-1 group it finds or creates (one group for all modes: the pinned
     mode's background save process is bound to it)."""
@@ -72,8 +103,11 @@ def run_checkpoint_bench(out_csv: str | os.PathLike | None = None,
     with one_rank_group(), tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         for mode in MODES:
             rows.append(measure(mode, Path(tmp) / mode, flavor, steps, interval))
-    write_csv(out_csv or default_csv(), [{"mode": r["mode"], "blocking_s": f"{r['blocking_s']:.4f}",
-                                          "total_s": f"{r['total_s']:.4f}"} for r in rows], COLUMNS)
+    write_csv(
+        out_csv or default_csv(),
+        [{"mode": r["mode"], "blocking_s": f"{r['blocking_s']:.4f}", "total_s": f"{r['total_s']:.4f}"} for r in rows],
+        COLUMNS,
+    )
     return rows
 
 
@@ -84,17 +118,23 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
     sync = rows[0]
     out = []
     for r in rows[1:]:
-        out.append({"benchmark": f"checkpoint_blocking_sync_over_{r['mode']}",
-                    "value": f"{sync['blocking_s'] / r['blocking_s']:.1f}", "unit": "ratio",
-                    "notes": f"loop blocked {sync['blocking_s']:.3f} s (sync) vs {r['blocking_s']:.3f} s per save; "
-                             f"{shape['flavor']} flavor, world 1, median of {r['saves']} saves; goal >= 5 "
-                             "(paper: 5-15x)"})
+        out.append(
+            {
+                "benchmark": f"checkpoint_blocking_sync_over_{r['mode']}",
+                "value": f"{sync['blocking_s'] / r['blocking_s']:.1f}",
+                "unit": "ratio",
+                "notes": f"loop blocked {sync['blocking_s']:.3f} s (sync) vs {r['blocking_s']:.3f} s per save; "
+                f"{shape['flavor']} flavor, world 1, median of {r['saves']} saves; goal >= 5 "
+                "(paper: 5-15x)",
+            }
+        )
     return out
 
 
 @click.command("checkpoint-bench")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="The CSV (default: results/checkpoint_overhead.csv).")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default=None, help="The CSV (default: results/checkpoint_overhead.csv)."
+)
 @click.option("--flavor", default="debug", show_default=True)
 @click.option("--steps", type=int, default=26, show_default=True)
 @click.option("--interval", type=int, default=5, show_default=True)
@@ -104,7 +144,9 @@ def checkpoint_bench(out, flavor, steps, interval):
     rows = run_checkpoint_bench(out, flavor, steps, interval)
     sync = rows[0]["blocking_s"]
     for r in rows:
-        click.echo(f"{r['mode']:>22}: blocks {r['blocking_s']:.3f} s per save ({sync / r['blocking_s']:.1f}x less "
-                   f"than sync; {r['wait_s']:.3f} s of it waiting for the previous upload), complete after "
-                   f"{r['total_s']:.3f} s  [{r['saves']} saves; the first save blocked {r['first_blocking_s']:.3f} s]")
+        click.echo(
+            f"{r['mode']:>22}: blocks {r['blocking_s']:.3f} s per save ({sync / r['blocking_s']:.1f}x less "
+            f"than sync; {r['wait_s']:.3f} s of it waiting for the previous upload), complete after "
+            f"{r['total_s']:.3f} s  [{r['saves']} saves; the first save blocked {r['first_blocking_s']:.3f} s]"
+        )
     click.echo(f"-> {out}")

@@ -1,6 +1,7 @@
 """What the studies share: the small synthetic job they measure, and a one-rank process group
 for the studies that build trainers in their own process (bench, toggles_bench,
 checkpoint_bench)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +15,15 @@ from core.train import init_distributed
 def synthetic_job(flavor: str, seq_len: int, batch: int, steps: int, *extra: str) -> list[str]:
     """Overrides of a short job on the deterministic synthetic token stream (no assets, no
     progress bar), then `extra` (`--section.key=value`, later wins)."""
-    return [f"--model.flavor={flavor}", "--data.dataset=synthetic", f"--training.seq_len={seq_len}",
-            f"--training.local_batch_size={batch}", f"--training.steps={steps}", "--metrics.progress=false",
-            *extra]
+    return [
+        f"--model.flavor={flavor}",
+        "--data.dataset=synthetic",
+        f"--training.seq_len={seq_len}",
+        f"--training.local_batch_size={batch}",
+        f"--training.steps={steps}",
+        "--metrics.progress=false",
+        *extra,
+    ]
 
 
 @contextlib.contextmanager

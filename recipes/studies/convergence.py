@@ -12,6 +12,7 @@ from the records (recipes/loss_curves.py), and, for full-length runs of every ro
 
 whose first PREFIX_STEPS steps tests/test_convergence.py re-runs on every CI run.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,8 +46,10 @@ def prefix_overrides(k: int = PREFIX_STEPS) -> list[str]:
     """Overrides that make a run exactly the first k steps of the full-length proxy run."""
     cfg = control().job_config("proxy")
     if k > cfg.lr_scheduler.warmup_steps:
-        raise ValueError(f"a {k}-step prefix leaves the warmup ({cfg.lr_scheduler.warmup_steps} "
-                         "steps), where the LR depends on training.steps")
+        raise ValueError(
+            f"a {k}-step prefix leaves the warmup ({cfg.lr_scheduler.warmup_steps} "
+            "steps), where the LR depends on training.steps"
+        )
     return [f"training.steps={k}", "metrics.progress=false"]
 
 
@@ -57,8 +60,12 @@ def prefix_overrides(k: int = PREFIX_STEPS) -> list[str]:
 # metrics.jsonl (log_freq 1); steps logged twice must agree, which checks the resume.
 RESUME_INTERVAL = 50
 RESUME_ATTEMPTS = 5
-RESUME_OVERRIDES = ["checkpoint.enabled=true", f"checkpoint.interval={RESUME_INTERVAL}",
-                    "checkpoint.keep_latest_k=1", "metrics.log_freq=1"]
+RESUME_OVERRIDES = [
+    "checkpoint.enabled=true",
+    f"checkpoint.interval={RESUME_INTERVAL}",
+    "checkpoint.keep_latest_k=1",
+    "metrics.log_freq=1",
+]
 
 
 def _stitch(run_dir: Path, record: dict, attempts: int) -> dict:
@@ -73,17 +80,26 @@ def _stitch(run_dir: Path, record: dict, attempts: int) -> dict:
         raise RuntimeError(f"{run_dir}: metrics.jsonl lacks steps {missing[:5]}... to stitch the resumed run")
     overlap = max((abs(v[-1] - v[0]) for v in seen.values() if len(v) > 1), default=0.0)
     record = dict(record)
-    record["resumed"] = {"attempts": attempts, "last_start_step": record["start_step"],
-                         "replayed_steps_max_abs_diff": overlap,
-                         "note": "losses of steps before start_step are the earlier attempts' (metrics.jsonl)"}
+    record["resumed"] = {
+        "attempts": attempts,
+        "last_start_step": record["start_step"],
+        "replayed_steps_max_abs_diff": overlap,
+        "note": "losses of steps before start_step are the earlier attempts' (metrics.jsonl)",
+    }
     record["losses"] = [seen[s][-1] for s in range(1, steps + 1)]
     record["steps"] = steps
     record["start_step"] = 0
     return record
 
 
-def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
-            records_dir: Path | None = None, echo: bool = True, resumable: bool = False) -> tuple[dict, float]:
+def run_row(
+    recipe: Recipe,
+    overrides: list[str],
+    run_dir: Path | None = None,
+    records_dir: Path | None = None,
+    echo: bool = True,
+    resumable: bool = False,
+) -> tuple[dict, float]:
     """One proxy run of a row through the launcher (as `run-recipe run ID --mode proxy`).
     resumable: checkpoint and relaunch after a failure (see RESUME_INTERVAL); run_dir is then
     emptied first. Returns (record, wall seconds of all attempts). Raises RuntimeError with the
@@ -104,15 +120,18 @@ def run_row(recipe: Recipe, overrides: list[str], run_dir: Path | None = None,
     t0 = time.perf_counter()
     for attempt in range(1, (RESUME_ATTEMPTS if resumable else 1) + 1):
         if echo:
-            click.echo(f"== {recipe.id} · proxy · world {world} · {run_dir}"
-                       + (f" · attempt {attempt}" if attempt > 1 else ""))
+            click.echo(
+                f"== {recipe.id} · proxy · world {world} · {run_dir}" + (f" · attempt {attempt}" if attempt > 1 else "")
+            )
         log = run_dir / f"train{'' if attempt == 1 else f'.{attempt}'}.log"
         rc = launcher.run_logged(cmd, env, log, echo)
         if rc == 0 and result.is_file():
             break
         if echo and resumable:
-            click.echo(f"[convergence] {recipe.id}: attempt {attempt} failed (exit {rc}); resuming from "
-                       "the latest checkpoint", err=True)
+            click.echo(
+                f"[convergence] {recipe.id}: attempt {attempt} failed (exit {rc}); resuming from the latest checkpoint",
+                err=True,
+            )
     wall = time.perf_counter() - t0
     if rc != 0 or not result.is_file():
         raise RuntimeError(f"{recipe.id}: trainer failed (exit {rc}); log {log}:\n{launcher.log_tail(log, 40)}")
@@ -136,12 +155,17 @@ def golden_payload(records: dict[str, dict]) -> dict:
         "prefix_steps": PREFIX_STEPS,
         "prefix_tolerance": PREFIX_TOLERANCE,
         "tolerance": TOLERANCE,
-        "rows": {rid: {"losses": rec["losses"], "world_size": rec["world_size"],
-                       "layout": record_label(rec),
-                       "toggles_applied": rec.get("toggles_applied"),
-                       "toggles_skipped": rec.get("toggles_skipped"),
-                       "config": rec.get("config")}
-                 for rid, rec in records.items()},
+        "rows": {
+            rid: {
+                "losses": rec["losses"],
+                "world_size": rec["world_size"],
+                "layout": record_label(rec),
+                "toggles_applied": rec.get("toggles_applied"),
+                "toggles_skipped": rec.get("toggles_skipped"),
+                "config": rec.get("config"),
+            }
+            for rid, rec in records.items()
+        },
     }
 
 
@@ -151,16 +175,33 @@ def golden_path(results_dir: Path | None = None) -> Path:
 
 # ------------------------------------------------------------------------------------ command
 @click.command("convergence")
-@click.option("--steps", type=click.IntRange(min=PREFIX_STEPS), default=None,
-              help="Steps per run (default: the rows' 500). Warmup keeps the rows' 1:5 ratio.")
-@click.option("--only", "only", multiple=True, metavar="ID",
-              help="Run only these rows (ids or their last part); the others' records are reused.")
-@click.option("--records-dir", type=click.Path(file_okay=False), default=None,
-              help="Where records go and are read (default: results/records).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Where the outputs go (default: results/).")
-@click.option("--golden/--no-golden", default=None,
-              help="Rewrite results/golden/loss_convergence.json (default: only for full-length runs).")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=PREFIX_STEPS),
+    default=None,
+    help="Steps per run (default: the rows' 500). Warmup keeps the rows' 1:5 ratio.",
+)
+@click.option(
+    "--only",
+    "only",
+    multiple=True,
+    metavar="ID",
+    help="Run only these rows (ids or their last part); the others' records are reused.",
+)
+@click.option(
+    "--records-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where records go and are read (default: results/records).",
+)
+@click.option(
+    "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Where the outputs go (default: results/)."
+)
+@click.option(
+    "--golden/--no-golden",
+    default=None,
+    help="Rewrite results/golden/loss_convergence.json (default: only for full-length runs).",
+)
 def convergence(steps, only, records_dir, out_dir, golden):
     """Run the four loss-convergence rows as proxies, then plot and check them against 1D."""
     records_root = Path(records_dir) if records_dir else launcher.default_records_dir()
@@ -178,21 +219,34 @@ def convergence(steps, only, records_dir, out_dir, golden):
     walls = {}
     for r in chosen:
         try:
-            _, walls[r.id] = run_row(r, overrides, run_dir=launcher.default_runs_dir() / "convergence" / r.fname,
-                                     records_dir=records_root, resumable=True)
+            _, walls[r.id] = run_row(
+                r,
+                overrides,
+                run_dir=launcher.default_runs_dir() / "convergence" / r.fname,
+                records_dir=records_root,
+                resumable=True,
+            )
         except (RuntimeError, ValueError) as e:
             click.echo(f"FAILED: {e}", err=True)
             sys.exit(1)
         click.echo(f"[convergence] {r.id}: {walls[r.id]:.0f} s")
-    records = {rid: rec for (rid, mode), rec in results.load_records(records_root).items()
-               if mode == "proxy" and rid in {r.id for r in rows()}}
+    records = {
+        rid: rec
+        for (rid, mode), rec in results.load_records(records_root).items()
+        if mode == "proxy" and rid in {r.id for r in rows()}
+    }
     for path in results.write_results(records_root, out):
         click.echo(str(path))
     checked = check(records)
     for res in checked:
-        click.echo(f"[convergence] {res['column']}: {res['status']}"
-                   + (f" (trailing mean |Δ| {res['mean_abs_diff_smoothed']:.4f} vs tolerance "
-                      f"{res['tolerance']:g})" if res.get("mean_abs_diff_smoothed") is not None else ""))
+        click.echo(
+            f"[convergence] {res['column']}: {res['status']}"
+            + (
+                f" (trailing mean |Δ| {res['mean_abs_diff_smoothed']:.4f} vs tolerance {res['tolerance']:g})"
+                if res.get("mean_abs_diff_smoothed") is not None
+                else ""
+            )
+        )
     all_full = len(records) == len(rows()) and all(len(rec["losses"]) == full for rec in records.values())
     if golden or (golden is None and all_full and steps == full):
         if not all_full:

@@ -10,6 +10,7 @@ step to parameters, buffers, gradients, optimizer state, activations or temporar
 per rank: activation + temporary bytes at the step's peak, and the peak of all tracked memory.
 Local batch 1, no activation checkpointing, so activations are all of one sequence's.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,12 @@ def measure(cp: int, seq: int, flavor: str, tmp: Path) -> list[dict]:
 @click.option("--cp", "cps", default="1,2,4", show_default=True, help="CP degrees, comma-separated.")
 @click.option("--seq", type=int, default=4096, show_default=True)
 @click.option("--flavor", default="debug", show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="The JSON (default: results/cp_activation_memory.json).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The JSON (default: results/cp_activation_memory.json).",
+)
 @click.option("--worker", hidden=True, help="(Inside torchrun.) Measure one CP degree, write this file.")
 @click.argument("overrides", nargs=-1)
 def cp_memory(cps, seq, flavor, out, worker, overrides):
@@ -89,19 +94,51 @@ def cp_memory(cps, seq, flavor, out, worker, overrides):
             ranks = measure(cp, seq, flavor, Path(tmp))
             act = max(r.get("Activation", 0) + r.get("Temp", 0) for r in ranks)
             total = max(r["Total"] for r in ranks)
-            rows.append({"cp": cp, "seq_len": seq, "tokens_per_rank": seq // cp,
-                         "activation_bytes_per_rank": act, "peak_tracked_bytes_per_rank": total,
-                         "reduction_vs_previous": prev / act if prev else None, "per_rank": ranks})
+            rows.append(
+                {
+                    "cp": cp,
+                    "seq_len": seq,
+                    "tokens_per_rank": seq // cp,
+                    "activation_bytes_per_rank": act,
+                    "peak_tracked_bytes_per_rank": total,
+                    "reduction_vs_previous": prev / act if prev else None,
+                    "per_rank": ranks,
+                }
+            )
             prev = act
-    click.echo(tabulate([[r["cp"], r["tokens_per_rank"], f"{r['activation_bytes_per_rank'] / 2**20:.1f}",
-                          f"{r['peak_tracked_bytes_per_rank'] / 2**20:.1f}",
-                          f"{r['reduction_vs_previous']:.2f}x" if r["reduction_vs_previous"] else ""] for r in rows],
-                        headers=["cp", "tokens/rank", "activation+temp MiB/rank (at peak)", "peak tracked MiB/rank",
-                                 "reduction vs previous"]))
+    click.echo(
+        tabulate(
+            [
+                [
+                    r["cp"],
+                    r["tokens_per_rank"],
+                    f"{r['activation_bytes_per_rank'] / 2**20:.1f}",
+                    f"{r['peak_tracked_bytes_per_rank'] / 2**20:.1f}",
+                    f"{r['reduction_vs_previous']:.2f}x" if r["reduction_vs_previous"] else "",
+                ]
+                for r in rows
+            ],
+            headers=[
+                "cp",
+                "tokens/rank",
+                "activation+temp MiB/rank (at peak)",
+                "peak tracked MiB/rank",
+                "reduction vs previous",
+            ],
+        )
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"flavor": flavor, "method": "torch.distributed._tools.mem_tracker."
-                               "MemTracker, one training step after a warm-up step", "rows": rows},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "flavor": flavor,
+                "method": "torch.distributed._tools.mem_tracker.MemTracker, one training step after a warm-up step",
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":  # torchrun -m recipes.studies.cp_memory --worker OUT -- OVERRIDES (measure's ranks)

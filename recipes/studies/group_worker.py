@@ -6,6 +6,7 @@ jobs.json: a list of {"name", "overrides"} (each with its own `--job.output_dir`
 validated before the group starts; a job that raises leaves `error.txt` in its output dir and
 the next job still runs. Spares the ~10-20 s start-up of a torchrun per job (parity, tests).
 """
+
 from __future__ import annotations
 
 import json

@@ -14,6 +14,7 @@ A few minutes of a small model through every feature the paper's rows need, each
 Memory and throughput of each run are printed. What cannot run here is listed as skipped with
 its reason (CPU: NCCL, AsyncTP, real Float8 matmuls). Exit 0 when every feature that can run passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,27 @@ from recipes import launcher
 
 STEPS = 6
 PARITY_TOL = 1e-5  # fp32: only the summation order differs (as recipes/studies/parity.py)
-BASE = ["--model.flavor=tiny4", "--data.dataset=synthetic", "--training.seq_len=64",
-        "--training.local_batch_size=8", f"--training.steps={STEPS}", "--optimizer.lr=1e-3",
-        "--lr_scheduler.warmup_steps=2", "--training.max_norm=0.3", "--metrics.progress=false", "--job.seed=0",
-        "--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32"]
-LAYOUT_3D = ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.pp=2",
-             "--parallelism.pp_schedule=Interleaved1F1B", "--training.local_batch_size=4"]
+BASE = [
+    "--model.flavor=tiny4",
+    "--data.dataset=synthetic",
+    "--training.seq_len=64",
+    "--training.local_batch_size=8",
+    f"--training.steps={STEPS}",
+    "--optimizer.lr=1e-3",
+    "--lr_scheduler.warmup_steps=2",
+    "--training.max_norm=0.3",
+    "--metrics.progress=false",
+    "--job.seed=0",
+    "--training.mixed_precision_param=float32",
+    "--training.mixed_precision_reduce=float32",
+]
+LAYOUT_3D = [
+    "--parallelism.dp_shard=2",
+    "--parallelism.tp=2",
+    "--parallelism.pp=2",
+    "--parallelism.pp_schedule=Interleaved1F1B",
+    "--training.local_batch_size=4",
+]
 META = ["--model.init_device=meta"]
 
 
@@ -55,11 +71,11 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
 
     from core.build import build_model, schedule_stages
     from core.config import load_config
-    from core.validate import validate
     from core.models.args import model_args
     from core.parallel.mesh import ParallelDims
     from core.parallel.parallelize import Toggles
     from core.train import init_distributed, pipeline_loss
+    from core.validate import validate
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     cfg = validate(load_config(None, overrides), world, check_files=False)
@@ -68,8 +84,9 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = dims.build_mesh(device.type, cfg.comm.init_timeout_seconds)
     torch.manual_seed(cfg.job.seed)
-    parts, schedule = build_model(model_args(cfg, None), cfg, mesh, dims, device, Toggles(),
-                                  pipeline_loss(cfg), per_stage_seed=per_stage)
+    parts, schedule = build_model(
+        model_args(cfg, None), cfg, mesh, dims, device, Toggles(), pipeline_loss(cfg), per_stage_seed=per_stage
+    )
     ids = [s.stage_index for s in schedule_stages(schedule)] if schedule is not None else [0]
     stages = {}
     for sid, part in zip(ids, parts):
@@ -122,12 +139,16 @@ def check_init(report: dict) -> list[str]:
 def _worker_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.studies.preflight --worker init")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--same-seed-every-stage", action="store_true",
-                        help="torch's lazy default (one seed broadcast to all): shows the defect")
+    parser.add_argument(
+        "--same-seed-every-stage",
+        action="store_true",
+        help="torch's lazy default (one seed broadcast to all): shows the defect",
+    )
     a, overrides = parser.parse_known_args(argv)
     import torch.distributed as dist  # local: as above
 
     from core.noise import quiet_library_warnings
+
     quiet_library_warnings()
     report = init_report(overrides, per_stage=not a.same_seed_every_stage)
     if report is not None:
@@ -138,20 +159,31 @@ def _worker_main(argv: list[str]) -> int:
     return 0
 
 
-def run_init_check(world: int, overrides: list[str], out: Path, same_seed: bool = False,
-                   timeout: float = 300, mode: str = "proxy") -> dict:
+def run_init_check(
+    world: int, overrides: list[str], out: Path, same_seed: bool = False, timeout: float = 300, mode: str = "proxy"
+) -> dict:
     """Launch the init worker on `world` ranks (CPU in proxy mode, GPUs in real mode); returns its report."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    target = ["-m", "recipes.studies.preflight", "--worker", "init", "--out", str(out),
-              *(["--same-seed-every-stage"] if same_seed else []), *overrides]
+    target = [
+        "-m",
+        "recipes.studies.preflight",
+        "--worker",
+        "init",
+        "--out",
+        str(out),
+        *(["--same-seed-every-stage"] if same_seed else []),
+        *overrides,
+    ]
     log = out.with_suffix(".log")
-    rc = launcher.run_logged(launcher.torchrun_command(world, target),
-                             launcher.launch_env(mode, world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
-                             log, timeout=timeout)
+    rc = launcher.run_logged(
+        launcher.torchrun_command(world, target),
+        launcher.launch_env(mode, world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
+        log,
+        timeout=timeout,
+    )
     if rc != 0 or not out.is_file():
         raise RuntimeError(f"init worker failed (exit {rc}); log {log}:\n{launcher.log_tail(log)}")
     return json.loads(out.read_text())
-
 
 
 # ------------------------------------------------------------------------------------- runs
@@ -192,17 +224,23 @@ class Preflight:
         rc = launcher.run_logged(launcher.torchrun_command(world, target), env, out / "train.log", timeout=timeout)
         result = out / "result.json"
         if rc != 0 or not result.is_file():
-            self.verdict(f"run {name} ({world} ranks)", False,
-                         f"exit {rc}; log {out / 'train.log'}:\n{launcher.log_tail(out / 'train.log', 15)}")
+            self.verdict(
+                f"run {name} ({world} ranks)",
+                False,
+                f"exit {rc}; log {out / 'train.log'}:\n{launcher.log_tail(out / 'train.log', 15)}",
+            )
             return None
         rec = json.loads(result.read_text())
         self.runs[name] = rec
         first = rec.get("first_step_peak_memory_gib")
-        click.echo(f"  [{name}] {world} ranks, {time.perf_counter() - t0:.0f} s: step {_mean(rec)*1e3:.0f} ms "
-                   f"(data {1e3 * (rec.get('data_time_s') or 0):.1f} ms), "
-                   f"{rec['tokens_per_sec_per_device']:,.0f} tokens/s/device, peak memory "
-                   f"{rec['peak_memory_gib']:.2f} GiB" + (f" (first step {first:.2f})" if first is not None else "")
-                   + f" [{rec.get('memory_kind', '')}]")
+        click.echo(
+            f"  [{name}] {world} ranks, {time.perf_counter() - t0:.0f} s: step {_mean(rec) * 1e3:.0f} ms "
+            f"(data {1e3 * (rec.get('data_time_s') or 0):.1f} ms), "
+            f"{rec['tokens_per_sec_per_device']:,.0f} tokens/s/device, peak memory "
+            f"{rec['peak_memory_gib']:.2f} GiB"
+            + (f" (first step {first:.2f})" if first is not None else "")
+            + f" [{rec.get('memory_kind', '')}]"
+        )
         return rec
 
 
@@ -220,36 +258,62 @@ def run_preflight(out: Path, real: bool) -> Preflight:
     click.echo(f"preflight ({pf.mode} form) in {out}")
     # 1. one process: the reference losses, and the seed checkpoint every layout loads
     # (compiled: one process compiles in seconds where four ranks on a few cores take minutes)
-    ref = pf.train("single", 1, [*BASE, "--checkpoint.enabled=true", "--checkpoint.create_seed_checkpoint=true",
-                                 f"--checkpoint.interval={STEPS}", "--compile.enabled=true"])
+    ref = pf.train(
+        "single",
+        1,
+        [
+            *BASE,
+            "--checkpoint.enabled=true",
+            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.interval={STEPS}",
+            "--compile.enabled=true",
+        ],
+    )
     seed = out / "single" / "checkpoint" / "step-0"
     if ref is not None:
-        pf.verdict("single process + seed checkpoint", _finite(ref["losses"]) and seed.is_dir(),
-                   f"losses {ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}")
+        pf.verdict(
+            "single process + seed checkpoint",
+            _finite(ref["losses"]) and seed.is_dir(),
+            f"losses {ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}",
+        )
         pf.verdict("compile (per block)", "compile" in ref["toggles_applied"])
     # 2. the meta init path on FSDP x TP x PP: per-stage seeds, consistent ranks
     try:
         report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], out / "meta_init" / "report.json", mode=pf.mode)
         problems = check_init(report)
-        pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", not problems,
-                   "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct")
+        pf.verdict(
+            "meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)",
+            not problems,
+            "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct",
+        )
     except RuntimeError as e:
         pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", False, str(e)[-600:])
     # 3. 3D with Interleaved 1F1B on the meta path, from the seed checkpoint: parity with 1D
     load_seed = ["--checkpoint.enabled=true", f"--checkpoint.resume_from={seed}", f"--checkpoint.interval={STEPS}"]
     rec = pf.train("3d", 8, [*BASE, *LAYOUT_3D, *META, *load_seed]) if seed.is_dir() else None
     if rec is not None:
-        pf.verdict("FSDP x TP x PP, Interleaved 1F1B", "pp:Interleaved1F1B" in rec["toggles_applied"]
-                   and {"fsdp", "tp"} <= set(rec["toggles_applied"]), ", ".join(rec["toggles_applied"]))
+        pf.verdict(
+            "FSDP x TP x PP, Interleaved 1F1B",
+            "pp:Interleaved1F1B" in rec["toggles_applied"] and {"fsdp", "tp"} <= set(rec["toggles_applied"]),
+            ", ".join(rec["toggles_applied"]),
+        )
         if ref is not None:
             diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"]))
-            pf.verdict("loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
-                       len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
-                       f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})")
+            pf.verdict(
+                "loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
+                len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
+                f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})",
+            )
     # 4. CP + TP with Float8 (TP styles), AsyncTP, DCP saves; then a resume
-    feats = ["--parallelism.cp=2", "--parallelism.tp=2", "--training.local_batch_size=8",
-             "--float8.enabled=true", f"--float8.emulate={'false' if real else 'true'}",
-             "--checkpoint.enabled=true", "--checkpoint.interval=2"]
+    feats = [
+        "--parallelism.cp=2",
+        "--parallelism.tp=2",
+        "--training.local_batch_size=8",
+        "--float8.enabled=true",
+        f"--float8.emulate={'false' if real else 'true'}",
+        "--checkpoint.enabled=true",
+        "--checkpoint.interval=2",
+    ]
     # AsyncTP is an inductor pass (compile) needing CUDA symmetric memory: on GPUs this run compiles
     # and turns it on; elsewhere the trainer's own hardware check says why it cannot run
     async_tp = ["--compile.enabled=true", "--parallelism.enable_async_tp=true"]
@@ -259,12 +323,16 @@ def run_preflight(out: Path, real: bool) -> Preflight:
     else:
         from core.config import load_config  # local: `run-recipe --help` must not import torch
         from core.toggles.async_tp import hardware_problem
+
         async_problem = hardware_problem(load_config(None, [*BASE, *feats, *async_tp]))
     rec = pf.train("cp_float8", 4, [*BASE, *feats])
     if rec is not None:
         applied, skipped = set(rec["toggles_applied"]), rec["toggles_skipped"]
-        pf.verdict("context parallel (CP 2 x TP 2)", rec["config"]["parallelism"]["cp"] == 2
-                   and _finite(rec["losses"]), f"losses {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}")
+        pf.verdict(
+            "context parallel (CP 2 x TP 2)",
+            rec["config"]["parallelism"]["cp"] == 2 and _finite(rec["losses"]),
+            f"losses {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}",
+        )
         pf.verdict("Float8 linears", "float8" in applied, ", ".join(sorted(a for a in applied if "float8" in a)))
         if async_problem:
             skipped = {**skipped, "async_tp": async_problem}
@@ -277,8 +345,11 @@ def run_preflight(out: Path, real: bool) -> Preflight:
                 pf.verdict(feature, False, skipped.get(name, "not applied"))
         again = pf.train("cp_float8", 4, [*BASE, *feats, f"--training.steps={STEPS + 2}"])
         if again is not None:
-            pf.verdict("DCP save + load (resume)", again["start_step"] == STEPS and len(again["losses"]) == 2
-                       and _finite(again["losses"]), f"resumed at step {again['start_step']}")
+            pf.verdict(
+                "DCP save + load (resume)",
+                again["start_step"] == STEPS and len(again["losses"]) == 2 and _finite(again["losses"]),
+                f"resumed at step {again['start_step']}",
+            )
     if not real:
         pf.skip("NCCL", "no CUDA device here: the proxy runs gloo")
         pf.skip("Float8 matmuls (sm89+)", "no float8 GPU here: torchao's emulation ran instead")
@@ -286,8 +357,12 @@ def run_preflight(out: Path, real: bool) -> Preflight:
 
 
 @click.command("preflight")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Folder of the runs (default runs/preflight/<timestamp>).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of the runs (default runs/preflight/<timestamp>).",
+)
 def preflight(out: str | None) -> None:
     """One node, a few minutes: every feature the rows need, a verdict each, 1D parity."""
     import torch  # local: `run-recipe --help` must not import torch
@@ -302,12 +377,18 @@ def preflight(out: str | None) -> None:
     t0 = time.perf_counter()
     pf = run_preflight(folder, real)
     failed = [v for v in pf.verdicts if v.status == "FAIL"]
-    summary = {"mode": pf.mode, "wall_s": time.perf_counter() - t0,
-               "verdicts": [v.__dict__ for v in pf.verdicts], "passed": not failed}
+    summary = {
+        "mode": pf.mode,
+        "wall_s": time.perf_counter() - t0,
+        "verdicts": [v.__dict__ for v in pf.verdicts],
+        "passed": not failed,
+    }
     (folder / "preflight.json").write_text(json.dumps(summary, indent=2) + "\n")
     counts = {s: sum(v.status == s for v in pf.verdicts) for s in ("PASS", "FAIL", "SKIP")}
-    click.echo(f"preflight: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
-               f"(cannot run here) in {summary['wall_s']:.0f} s; {folder / 'preflight.json'}")
+    click.echo(
+        f"preflight: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+        f"(cannot run here) in {summary['wall_s']:.0f} s; {folder / 'preflight.json'}"
+    )
     sys.exit(1 if failed else 0)
 
 

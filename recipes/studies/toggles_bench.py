@@ -16,6 +16,7 @@ absolute times drift; ratios of interleaved runs much less). Sections:
 Step times come from real Trainers (world 1) built side by side and stepped round-robin
 (`interleaved`), so a burst of load from other jobs hits every variant alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,15 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _overrides(flavor: str, seq_len: int, batch: int, steps: int, dtype: str) -> list[str]:
-    return synthetic_job(flavor, seq_len, batch, steps, f"--training.mixed_precision_param={dtype}",
-                         "--lr_scheduler.warmup_steps=2", "--optimizer.lr=1e-3")
+    return synthetic_job(
+        flavor,
+        seq_len,
+        batch,
+        steps,
+        f"--training.mixed_precision_param={dtype}",
+        "--lr_scheduler.warmup_steps=2",
+        "--optimizer.lr=1e-3",
+    )
 
 
 def _trainer(base: list[str], extra: list[str], out: str):
@@ -69,8 +77,9 @@ def _median(times: list[float]) -> float:
     return statistics.median(times)
 
 
-def interleaved(base: list[str], variants: dict[str, list[str]], steps: int, warmup: int = 2,
-                out: str = "") -> dict[str, dict]:
+def interleaved(
+    base: list[str], variants: dict[str, list[str]], steps: int, warmup: int = 2, out: str = ""
+) -> dict[str, dict]:
     """Build one trainer per variant (same seed, same token stream) and run their training steps
     round-robin, the order rotating each round: every variant sees the same machine load, so the
     ratios of their step times survive a busy shared CPU. The first `warmup` steps (lazy init,
@@ -96,8 +105,9 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------- AC
-def ac_table(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: int = 6,
-             dtype: str = "float32") -> list[dict]:
+def ac_table(
+    flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: int = 6, dtype: str = "float32"
+) -> list[dict]:
     """Per AC mode: peak activation / total MiB of one train step (MemTracker), step time
     (interleaved trainers), max loss diff vs no AC."""
     base = _overrides(flavor, seq_len, batch, steps, dtype)
@@ -111,10 +121,16 @@ def ac_table(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: i
             with tracker:
                 trainer.train_step([next(iter(trainer.dataloader))])
             peak = tracker.get_tracker_snapshot("peak")
-            rows.append({"mode": name, "act_mib": sum(v.get(_MemRefType.ACT, 0) for v in peak.values()) / 2 ** 20,
-                         "total_mib": sum(v.get("Total", 0) for v in peak.values()) / 2 ** 20,
-                         "step_s": _median(run["times"]), "losses": run["losses"],
-                         "applied": list(trainer.toggles.applied)})
+            rows.append(
+                {
+                    "mode": name,
+                    "act_mib": sum(v.get(_MemRefType.ACT, 0) for v in peak.values()) / 2**20,
+                    "total_mib": sum(v.get("Total", 0) for v in peak.values()) / 2**20,
+                    "step_s": _median(run["times"]),
+                    "losses": run["losses"],
+                    "applied": list(trainer.toggles.applied),
+                }
+            )
         del runs
     ref = rows[0]
     for r in rows:
@@ -125,17 +141,22 @@ def ac_table(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: i
 
 
 # ----------------------------------------------------------------------------------- compile
-def compile_speedup(flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: int = 10,
-                    dtype: str = "bfloat16") -> dict:
+def compile_speedup(
+    flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: int = 10, dtype: str = "bfloat16"
+) -> dict:
     """Step time eager vs per-block compile (trainers interleaved step by step, world 1)."""
     base = _overrides(flavor, seq_len, batch, steps, dtype)
     with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, {"eager": [], "compile": ["compile.enabled=true"]}, steps, out=tmp)
     eager, compiled = _median(runs["eager"]["times"]), _median(runs["compile"]["times"])
-    return {"eager_step_s": eager, "compile_step_s": compiled, "speedup": eager / compiled,
-            "max_loss_diff": _max_diff(runs["eager"]["losses"], runs["compile"]["losses"]),
-            "applied": list(runs["compile"]["trainer"].toggles.applied),
-            "shape": f"{flavor}, seq {seq_len}, batch {batch}, {dtype}"}
+    return {
+        "eager_step_s": eager,
+        "compile_step_s": compiled,
+        "speedup": eager / compiled,
+        "max_loss_diff": _max_diff(runs["eager"]["losses"], runs["compile"]["losses"]),
+        "applied": list(runs["compile"]["trainer"].toggles.applied),
+        "shape": f"{flavor}, seq {seq_len}, batch {batch}, {dtype}",
+    }
 
 
 def _cpu_s() -> float:
@@ -164,8 +185,13 @@ def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int 
         opt.zero_grad()
         wall.append(time.perf_counter() - t0)
         cpu.append(_cpu_s() - c0)
-    return {"mode": mode, "first_step_s": wall[0], "steady_step_s": _median(wall[1:]),
-            "compile_s": wall[0] - _median(wall[1:]), "compile_cpu_s": cpu[0] - _median(cpu[1:])}
+    return {
+        "mode": mode,
+        "first_step_s": wall[0],
+        "steady_step_s": _median(wall[1:]),
+        "compile_s": wall[0] - _median(wall[1:]),
+        "compile_cpu_s": cpu[0] - _median(cpu[1:]),
+    }
 
 
 def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> dict:
@@ -174,15 +200,30 @@ def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> d
     it filled. Inductor compiles in-process (COMPILE_THREADS=1) so its CPU time is counted."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for key, mode, cache in (("block_cold", "block", "block"), ("whole_cold", "whole", "whole"),
-                                 ("block_warm", "block", "block")):
-            env = launcher.launch_env("proxy", 1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}",
-                                      TORCHINDUCTOR_COMPILE_THREADS="1")
-            cmd = [sys.executable, "-m", PROBE_MODULE, "--probe", mode, "--flavor", flavor,
-                   "--seq-len", str(seq_len), "--batch", str(batch)]
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env,
-                                  cwd=launcher.project_root(),
-                                  timeout=1800)
+        for key, mode, cache in (
+            ("block_cold", "block", "block"),
+            ("whole_cold", "whole", "whole"),
+            ("block_warm", "block", "block"),
+        ):
+            env = launcher.launch_env(
+                "proxy", 1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", TORCHINDUCTOR_COMPILE_THREADS="1"
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                PROBE_MODULE,
+                "--probe",
+                mode,
+                "--flavor",
+                flavor,
+                "--seq-len",
+                str(seq_len),
+                "--batch",
+                str(batch),
+            ]
+            proc = subprocess.run(
+                cmd, check=False, capture_output=True, text=True, env=env, cwd=launcher.project_root(), timeout=1800
+            )
             lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
             if proc.returncode or not lines:
                 raise RuntimeError(f"compile probe {mode} failed:\n{proc.stderr[-3000:]}")
@@ -200,16 +241,26 @@ def float8_deviation(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, st
     the steps, step time ratio. The tiny shape: CPU `_scaled_mm` runs ~35 ns per multiply-add.
     `tensorwise_emulated` is what the CPU proxy rows run (torchao's fp32 emulation)."""
     base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
-    variants = {"bf16": [], **{r: ["float8.enabled=true", f"float8.recipe={r}"] for r in FLOAT8_RECIPES},
-                "tensorwise_emulated": ["float8.enabled=true", "float8.emulate=true"]}
+    variants = {
+        "bf16": [],
+        **{r: ["float8.enabled=true", f"float8.recipe={r}"] for r in FLOAT8_RECIPES},
+        "tensorwise_emulated": ["float8.enabled=true", "float8.emulate=true"],
+    }
     with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, variants, steps, warmup=0, out=tmp)
     ref = runs.pop("bf16")
     # warmup=0: every step's loss is compared; times drop the first step (lazy init)
-    return [{"recipe": r, "max_loss_diff": _max_diff(run["losses"], ref["losses"]),
-             "final_loss": run["losses"][-1], "bf16_final_loss": ref["losses"][-1],
-             "time_ratio": _median(run["times"][1:]) / _median(ref["times"][1:]),
-             "applied": list(run["trainer"].toggles.applied)} for r, run in runs.items()]
+    return [
+        {
+            "recipe": r,
+            "max_loss_diff": _max_diff(run["losses"], ref["losses"]),
+            "final_loss": run["losses"][-1],
+            "bf16_final_loss": ref["losses"][-1],
+            "time_ratio": _median(run["times"][1:]) / _median(ref["times"][1:]),
+            "applied": list(run["trainer"].toggles.applied),
+        }
+        for r, run in runs.items()
+    ]
 
 
 def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: int = 10) -> dict:
@@ -217,16 +268,22 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
     process reference (core.reference, bf16 autocast) on the same global batch."""
     base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
     ref = reference_run(validate(load_config(None, base), 1, check_files=False))["losses"]
-    fp8 = ["float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true",
-           "float8.precompute_float8_dynamic_scale_for_fsdp=true"]
+    fp8 = [
+        "float8.enabled=true",
+        "float8.enable_fsdp_float8_all_gather=true",
+        "float8.precompute_float8_dynamic_scale_for_fsdp=true",
+    ]
     world2 = _overrides(flavor, seq_len, batch // 2, steps, "bfloat16") + ["--parallelism.dp_shard=2"]
     out, losses = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("bf16", []), ("float8", fp8)):
             rec = launcher.launch_trainer(2, world2 + ["--" + o for o in extra], f"{tmp}/{name}")
             losses[name] = rec["losses"]
-            out[name] = {"max_loss_diff": _max_diff(rec["losses"], ref),
-                         "step_s": _median(rec["step_times_s"][1:]), "applied": rec["toggles_applied"]}
+            out[name] = {
+                "max_loss_diff": _max_diff(rec["losses"], ref),
+                "step_s": _median(rec["step_times_s"][1:]),
+                "applied": rec["toggles_applied"],
+            }
     out["float8_vs_fsdp_bf16"] = _max_diff(losses["float8"], losses["bf16"])  # the float8 effect alone
     out["shape"] = f"{flavor}, seq {seq_len}, global batch {batch}, {steps} steps, FSDP2 world 2"
     return out
@@ -236,88 +293,213 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
 def measure(quick: bool = False) -> dict:
     if quick:
         shape = {"flavor": "tiny4", "seq_len": 64, "batch": 4}
-        return {"ac": ac_table(steps=3, **shape), "compile": compile_speedup(steps=4, **shape),
-                "cold": cold_compile(**shape), "float8": float8_deviation(steps=4, **shape),
-                "float8_fsdp": float8_fsdp(steps=4), "quick": True}
-    return {"ac": ac_table(), "compile": compile_speedup(), "cold": cold_compile(),
-            "float8": float8_deviation(), "float8_fsdp": float8_fsdp(), "quick": False}
+        return {
+            "ac": ac_table(steps=3, **shape),
+            "compile": compile_speedup(steps=4, **shape),
+            "cold": cold_compile(**shape),
+            "float8": float8_deviation(steps=4, **shape),
+            "float8_fsdp": float8_fsdp(steps=4),
+            "quick": True,
+        }
+    return {
+        "ac": ac_table(),
+        "compile": compile_speedup(),
+        "cold": cold_compile(),
+        "float8": float8_deviation(),
+        "float8_fsdp": float8_fsdp(),
+        "quick": False,
+    }
 
 
 def csv_rows(m: dict) -> list[dict]:
     rows = []
 
     def add(section, name, metric, value, unit, ratio="", ratio_of="", notes=""):
-        rows.append({"section": section, "name": name, "metric": metric, "value": f"{value:.6g}", "unit": unit,
-                     "ratio": f"{ratio:.4g}" if ratio != "" else "", "ratio_of": ratio_of, "notes": notes})
+        rows.append(
+            {
+                "section": section,
+                "name": name,
+                "metric": metric,
+                "value": f"{value:.6g}",
+                "unit": unit,
+                "ratio": f"{ratio:.4g}" if ratio != "" else "",
+                "ratio_of": ratio_of,
+                "notes": notes,
+            }
+        )
+
     for r in m["ac"]:
-        add("ac", r["mode"], "peak_activation", r["act_mib"], "MiB", r["act_ratio"], "/ none",
-            f"total peak {r['total_mib']:.1f} MiB; max loss diff vs none {r['max_loss_diff']:.1e}")
+        add(
+            "ac",
+            r["mode"],
+            "peak_activation",
+            r["act_mib"],
+            "MiB",
+            r["act_ratio"],
+            "/ none",
+            f"total peak {r['total_mib']:.1f} MiB; max loss diff vs none {r['max_loss_diff']:.1e}",
+        )
         add("ac", r["mode"], "step_time", r["step_s"], "s", r["time_ratio"], "/ none")
     c = m["compile"]
-    add("compile", "per_block", "step_time", c["compile_step_s"], "s", c["speedup"], "eager / compiled",
-        f"eager {c['eager_step_s']:.4f} s; {c['shape']}; max loss diff {c['max_loss_diff']:.1e}")
+    add(
+        "compile",
+        "per_block",
+        "step_time",
+        c["compile_step_s"],
+        "s",
+        c["speedup"],
+        "eager / compiled",
+        f"eager {c['eager_step_s']:.4f} s; {c['shape']}; max loss diff {c['max_loss_diff']:.1e}",
+    )
     k = m["cold"]
     for key in ("block_cold", "whole_cold", "block_warm"):
-        add("compile", key, "first_step_compile", k[key]["compile_s"], "s",
-            k[key]["compile_s"] / k["block_cold"]["compile_s"], "/ block_cold",
+        add(
+            "compile",
+            key,
+            "first_step_compile",
+            k[key]["compile_s"],
+            "s",
+            k[key]["compile_s"] / k["block_cold"]["compile_s"],
+            "/ block_cold",
             f"CPU time {k[key]['compile_cpu_s']:.1f} s "
             f"(x{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}); "
-            f"first step {k[key]['first_step_s']:.2f} s, steady {k[key]['steady_step_s']:.3f} s")
+            f"first step {k[key]['first_step_s']:.2f} s, steady {k[key]['steady_step_s']:.3f} s",
+        )
     for r in m["float8"]:
-        add("float8", r["recipe"], "max_loss_diff_vs_bf16", r["max_loss_diff"], "loss", r["time_ratio"],
-            "step time / bf16", f"final loss {r['final_loss']:.4f} vs bf16 {r['bf16_final_loss']:.4f}")
+        add(
+            "float8",
+            r["recipe"],
+            "max_loss_diff_vs_bf16",
+            r["max_loss_diff"],
+            "loss",
+            r["time_ratio"],
+            "step time / bf16",
+            f"final loss {r['final_loss']:.4f} vs bf16 {r['bf16_final_loss']:.4f}",
+        )
     f = m["float8_fsdp"]
-    add("float8", "fsdp2_float8_all_gather", "max_loss_diff_vs_bf16_reference", f["float8"]["max_loss_diff"], "loss",
-        f["float8"]["step_s"] / f["bf16"]["step_s"], "step time / fsdp2 bf16",
+    add(
+        "float8",
+        "fsdp2_float8_all_gather",
+        "max_loss_diff_vs_bf16_reference",
+        f["float8"]["max_loss_diff"],
+        "loss",
+        f["float8"]["step_s"] / f["bf16"]["step_s"],
+        "step time / fsdp2 bf16",
         f"{f['shape']}; vs FSDP2 bf16 (float8 alone): {f['float8_vs_fsdp_bf16']:.1e}; "
-        f"FSDP2 bf16 vs reference: {f['bf16']['max_loss_diff']:.1e}")
+        f"FSDP2 bf16 vs reference: {f['bf16']['max_loss_diff']:.1e}",
+    )
     return rows
 
 
 def markdown(m: dict) -> str:
-    lines = ["# Efficiency toggles on the CPU proxy", "",
-             f"Generated by `run-recipe toggles-bench` (torch {torch.__version__}); every ratio compares runs made "
-             "one after the other in the same invocation on this (shared, 2-core) CPU."
-             + (" QUICK smoke shapes: not the reported figures." if m["quick"] else ""), "",
-             "## Activation checkpointing", "",
-             ("Peak memory of one training step by torch's MemTracker (activations = tensors saved for backward "
-             "and live intermediates); step time: median over steps, the four trainers (world 1) stepping "
-             "round-robin so they share the machine's load."), ""]
-    lines.append(tabulate([[r["mode"], f"{r['act_mib']:.1f}", f"{r['act_ratio']:.2f}", f"{r['total_mib']:.1f}",
-                            f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}", f"{r['max_loss_diff']:.1e}"]
-                           for r in m["ac"]],
-                          headers=["mode", "peak activations MiB", "x none", "peak total MiB", "step s", "x none",
-                                   "max loss diff"], tablefmt="github"))
+    lines = [
+        "# Efficiency toggles on the CPU proxy",
+        "",
+        f"Generated by `run-recipe toggles-bench` (torch {torch.__version__}); every ratio compares runs made "
+        "one after the other in the same invocation on this (shared, 2-core) CPU."
+        + (" QUICK smoke shapes: not the reported figures." if m["quick"] else ""),
+        "",
+        "## Activation checkpointing",
+        "",
+        (
+            "Peak memory of one training step by torch's MemTracker (activations = tensors saved for backward "
+            "and live intermediates); step time: median over steps, the four trainers (world 1) stepping "
+            "round-robin so they share the machine's load."
+        ),
+        "",
+    ]
+    lines.append(
+        tabulate(
+            [
+                [
+                    r["mode"],
+                    f"{r['act_mib']:.1f}",
+                    f"{r['act_ratio']:.2f}",
+                    f"{r['total_mib']:.1f}",
+                    f"{r['step_s']:.3f}",
+                    f"{r['time_ratio']:.2f}",
+                    f"{r['max_loss_diff']:.1e}",
+                ]
+                for r in m["ac"]
+            ],
+            headers=["mode", "peak activations MiB", "x none", "peak total MiB", "step s", "x none", "max loss diff"],
+            tablefmt="github",
+        )
+    )
     c, k = m["compile"], m["cold"]
-    lines += ["", "## Regional compile", "",
-              (f"Step time ({c['shape']}; two trainers at world 1 stepping alternately, median after 2 warm-up "
-              f"steps): eager {c['eager_step_s']:.4f} s, "
-              f"per-block compiled {c['compile_step_s']:.4f} s: **speedup {c['speedup']:.2f}x** (goal >= 1.2x); "
-              f"max loss diff {c['max_loss_diff']:.1e}."), "",
-              (f"Cold compile (first step minus a steady step; each in a fresh process, block_cold and whole_cold "
-              f"on an empty inductor cache, block_warm on the cache block_cold filled; {k['n_layers']} blocks; CPU "
-              f"time counts this process and gcc, so the machine's load hardly moves it):"), ""]
-    lines.append(tabulate([[key, f"{k[key]['compile_s']:.1f}",
-                            f"{k[key]['compile_s'] / k['block_cold']['compile_s']:.2f}",
-                            f"{k[key]['compile_cpu_s']:.1f}",
-                            f"{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}",
-                            f"{k[key]['steady_step_s']:.3f}"] for key in ("block_cold", "whole_cold", "block_warm")],
-                          headers=["compile", "wall s", "x block cold", "CPU s", "x block cold", "steady step s"],
-                          tablefmt="github"))
-    lines += ["", "## Float8 (torchao) vs bf16", "",
-              ("World 1, bf16 autocast, trainers stepping round-robin; max |loss - bf16 loss| over every step; "
-              "float8 matmuls run through `torch._scaled_mm` on CPU (numerics, not speed: no fast float8 GEMM on "
-              "a CPU, hence the tiny shape); `tensorwise_emulated` is torchao's emulation (fp32 matmul of the "
-              "float8-quantized operands), which the CPU proxy rows use."), ""]
-    lines.append(tabulate([[r["recipe"], f"{r['max_loss_diff']:.2e}", f"{r['final_loss']:.4f}",
-                            f"{r['bf16_final_loss']:.4f}", f"{r['time_ratio']:.2f}"] for r in m["float8"]],
-                          headers=["recipe", "max abs loss diff", "final loss", "bf16 final loss", "step time x bf16"],
-                          tablefmt="github"))
+    lines += [
+        "",
+        "## Regional compile",
+        "",
+        (
+            f"Step time ({c['shape']}; two trainers at world 1 stepping alternately, median after 2 warm-up "
+            f"steps): eager {c['eager_step_s']:.4f} s, "
+            f"per-block compiled {c['compile_step_s']:.4f} s: **speedup {c['speedup']:.2f}x** (goal >= 1.2x); "
+            f"max loss diff {c['max_loss_diff']:.1e}."
+        ),
+        "",
+        (
+            f"Cold compile (first step minus a steady step; each in a fresh process, block_cold and whole_cold "
+            f"on an empty inductor cache, block_warm on the cache block_cold filled; {k['n_layers']} blocks; CPU "
+            f"time counts this process and gcc, so the machine's load hardly moves it):"
+        ),
+        "",
+    ]
+    lines.append(
+        tabulate(
+            [
+                [
+                    key,
+                    f"{k[key]['compile_s']:.1f}",
+                    f"{k[key]['compile_s'] / k['block_cold']['compile_s']:.2f}",
+                    f"{k[key]['compile_cpu_s']:.1f}",
+                    f"{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}",
+                    f"{k[key]['steady_step_s']:.3f}",
+                ]
+                for key in ("block_cold", "whole_cold", "block_warm")
+            ],
+            headers=["compile", "wall s", "x block cold", "CPU s", "x block cold", "steady step s"],
+            tablefmt="github",
+        )
+    )
+    lines += [
+        "",
+        "## Float8 (torchao) vs bf16",
+        "",
+        (
+            "World 1, bf16 autocast, trainers stepping round-robin; max |loss - bf16 loss| over every step; "
+            "float8 matmuls run through `torch._scaled_mm` on CPU (numerics, not speed: no fast float8 GEMM on "
+            "a CPU, hence the tiny shape); `tensorwise_emulated` is torchao's emulation (fp32 matmul of the "
+            "float8-quantized operands), which the CPU proxy rows use."
+        ),
+        "",
+    ]
+    lines.append(
+        tabulate(
+            [
+                [
+                    r["recipe"],
+                    f"{r['max_loss_diff']:.2e}",
+                    f"{r['final_loss']:.4f}",
+                    f"{r['bf16_final_loss']:.4f}",
+                    f"{r['time_ratio']:.2f}",
+                ]
+                for r in m["float8"]
+            ],
+            headers=["recipe", "max abs loss diff", "final loss", "bf16 final loss", "step time x bf16"],
+            tablefmt="github",
+        )
+    )
     f = m["float8_fsdp"]
-    lines += ["", (f"FSDP2 + float8 all-gather + precomputed scales ({f['shape']}): max |loss - bf16 reference| "
-              f"{f['float8']['max_loss_diff']:.2e}; against FSDP2 bf16 without float8 (the float8 effect alone) "
-              f"{f['float8_vs_fsdp_bf16']:.2e}; FSDP2 bf16 vs the reference {f['bf16']['max_loss_diff']:.2e}; "
-              f"step time x{f['float8']['step_s'] / f['bf16']['step_s']:.2f} of FSDP2 bf16.")]
+    lines += [
+        "",
+        (
+            f"FSDP2 + float8 all-gather + precomputed scales ({f['shape']}): max |loss - bf16 reference| "
+            f"{f['float8']['max_loss_diff']:.2e}; against FSDP2 bf16 without float8 (the float8 effect alone) "
+            f"{f['float8_vs_fsdp_bf16']:.2e}; FSDP2 bf16 vs the reference {f['bf16']['max_loss_diff']:.2e}; "
+            f"step time x{f['float8']['step_s'] / f['bf16']['step_s']:.2f} of FSDP2 bf16."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -337,25 +519,44 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
     c, k = m["compile"], m["cold"]
     worst = max(m["float8"], key=lambda r: r["max_loss_diff"])
     return [
-        {"benchmark": "toggles_ac_full_activation_ratio", "value": f"{ac['ac:full']['act_ratio']:.3f}",
-         "unit": "ratio",
-         "notes": f"peak activations full AC / no AC (goal < 0.5); step time x{ac['ac:full']['time_ratio']:.2f}"},
-        {"benchmark": "toggles_compile_speedup", "value": f"{c['speedup']:.3f}", "unit": "ratio",
-         "notes": f"eager / per-block compiled steady step, {c['shape']}; goal >= 1.2"},
-        {"benchmark": "toggles_cold_compile_whole_over_block", "value": f"{k['whole_over_block_cpu']:.3f}",
-         "unit": "ratio", "notes": f"cold compile CPU time whole model {k['whole_cold']['compile_cpu_s']:.1f} s / "
-                                   f"per block {k['block_cold']['compile_cpu_s']:.1f} s "
-                                   f"(wall {k['whole_over_block']:.2f}x); "
-                                   f"per block on the warm cache {k['block_warm']['compile_s']:.1f} s wall"},
-        {"benchmark": "toggles_float8_max_loss_diff", "value": f"{worst['max_loss_diff']:.3e}", "unit": "loss",
-         "notes": f"worst recipe ({worst['recipe']}) vs bf16 over the steps; goal < 5e-3"},
+        {
+            "benchmark": "toggles_ac_full_activation_ratio",
+            "value": f"{ac['ac:full']['act_ratio']:.3f}",
+            "unit": "ratio",
+            "notes": f"peak activations full AC / no AC (goal < 0.5); step time x{ac['ac:full']['time_ratio']:.2f}",
+        },
+        {
+            "benchmark": "toggles_compile_speedup",
+            "value": f"{c['speedup']:.3f}",
+            "unit": "ratio",
+            "notes": f"eager / per-block compiled steady step, {c['shape']}; goal >= 1.2",
+        },
+        {
+            "benchmark": "toggles_cold_compile_whole_over_block",
+            "value": f"{k['whole_over_block_cpu']:.3f}",
+            "unit": "ratio",
+            "notes": f"cold compile CPU time whole model {k['whole_cold']['compile_cpu_s']:.1f} s / "
+            f"per block {k['block_cold']['compile_cpu_s']:.1f} s "
+            f"(wall {k['whole_over_block']:.2f}x); "
+            f"per block on the warm cache {k['block_warm']['compile_s']:.1f} s wall",
+        },
+        {
+            "benchmark": "toggles_float8_max_loss_diff",
+            "value": f"{worst['max_loss_diff']:.3e}",
+            "unit": "loss",
+            "notes": f"worst recipe ({worst['recipe']}) vs bf16 over the steps; goal < 5e-3",
+        },
     ]
 
 
 @click.command("toggles-bench")
 @click.option("--quick", is_flag=True, help="Smaller shapes (a smoke run, not the reported figures).")
-@click.option("--probe", type=click.Choice(["eager", "block", "whole"]), hidden=True,
-              help="(In a fresh process, for cold_compile.) Time one compile mode and print PROBE <json>.")
+@click.option(
+    "--probe",
+    type=click.Choice(["eager", "block", "whole"]),
+    hidden=True,
+    help="(In a fresh process, for cold_compile.) Time one compile mode and print PROBE <json>.",
+)
 @click.option("--flavor", default="debug", hidden=True)
 @click.option("--seq-len", type=int, default=256, hidden=True)
 @click.option("--batch", type=int, default=8, hidden=True)
