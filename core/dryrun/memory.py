@@ -112,8 +112,8 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     full-sequence input); RoPE keeps nothing (its rotation table needs no gradient); repeat_kv
     materialises expanded k and v, which SDPA keeps with q, its output and the log-sum-exp;
     SwiGLU keeps w1's and w3's outputs, the SiLU output and the product. Compiled (inductor's min-cut
-    partitioner), pointwise work is recomputed in backward: it keeps the norm inputs, the matmul inputs it cannot cheaply rebuild,
-    q/k/v, attention output + LSE, and w1/w3 outputs.
+    partitioner), pointwise work is recomputed in backward: it keeps the norm inputs, the matmul
+    inputs it cannot cheaply rebuild, q/k/v, attention output + LSE, and w1/w3 outputs.
     """
     T, a = s.tokens, s.act
     sp_T = T * s.sp
