@@ -24,6 +24,8 @@ from core.parallel.tensor import tp_styles
 from core.validate import validate
 from recipes.cli import main
 from recipes.studies import parity as P
+from recipes.studies import parity_layouts as PL
+from recipes.studies import parity_tables as PT
 
 pytestmark = pytest.mark.parity
 
@@ -33,7 +35,7 @@ GOLDEN = ROOT / "results" / "golden"
 # bf16: each kind of layout once at world <= 4 (FSDP mixed precision, autocast without FSDP, TP,
 # CP, PP); `run-recipe parity --dtype bf16` runs the whole list (results/loss_parity.md).
 BF16 = ["fsdp2", "hsdp2x2", "tp2", "fsdp2_tp2", "cp2_allgather", "fsdp2_cp2", "pp2_1f1b"]
-CASES = [(layout.name, "fp32") for layout in P.LAYOUTS] + [(name, "bf16") for name in BF16]
+CASES = [(layout.name, "fp32") for layout in PL.LAYOUTS] + [(name, "bf16") for name in BF16]
 CASE_PARAMS = [pytest.param(n, d, id=f"{n}-{d}") for n, d in CASES]
 # The sharded grad norm (FSDP x TP DTensors, summed over pp) against torch's plain one. AdamW is
 # nearly invariant to clipping's uniform scale, so loss parity alone would not catch a wrong norm.
@@ -52,13 +54,13 @@ class _Runs:
 
     def get(self, name: str, dtype: str) -> dict:
         if (name, dtype) not in self.rows:
-            world = P.BY_NAME[name].world_size
+            world = PL.BY_NAME[name].world_size
             names = {
                 n
                 for n, d in self.selected | {(name, dtype)}
-                if d == dtype and P.BY_NAME[n].world_size == world and (n, d) not in self.rows
+                if d == dtype and PL.BY_NAME[n].world_size == world and (n, d) not in self.rows
             }
-            group = [layout for layout in P.LAYOUTS if layout.name in names]
+            group = [layout for layout in PL.LAYOUTS if layout.name in names]
             for row in P.run_grouped(group, dtype, self.root / dtype):
                 self.rows[(row["layout"], dtype)] = row
         return self.rows[(name, dtype)]
@@ -79,14 +81,14 @@ def parity_runs(request, tmp_path_factory) -> _Runs:
 def test_layout_loss_parity(parity_runs, name, dtype):
     row = parity_runs.get(name, dtype)
     assert row["losses"], f"{name} ({dtype}) did not finish: {row.get('error')}"
-    assert row["steps"] == P.STEPS
+    assert row["steps"] == PL.STEPS
     assert row["clipped_steps"] > 0, "clipping never acted: the sharded grad norm would go untested"
-    assert row["tolerance"] == (P.BY_NAME[name].tolerance or P.TOLERANCE[dtype])
+    assert row["tolerance"] == (PL.BY_NAME[name].tolerance or PL.TOLERANCE[dtype])
     assert row["max_abs_diff"] <= row["tolerance"], (
         f"{name}: {row['max_abs_diff']:.3e}\n layout    {row['losses']}\n reference {row['reference']}"
     )
     # layouts with their own loss tolerance (float8) get the low-precision grad-norm bound
-    rtol = GRAD_NORM_RTOL["bf16" if P.BY_NAME[name].tolerance else dtype]
+    rtol = GRAD_NORM_RTOL["bf16" if PL.BY_NAME[name].tolerance else dtype]
     assert row["grad_norm_max_rel_diff"] <= rtol, row["grad_norm_max_rel_diff"]
 
 
@@ -102,9 +104,9 @@ def test_reference_matches_golden(dtype):
     """The single-process reference of today against the stored golden per-step losses."""
     golden = _golden(dtype)
     tol = golden["golden_tolerance"]
-    assert tol == P.golden_tolerance(dtype) and golden["steps"] == P.STEPS
+    assert tol == PT.golden_tolerance(dtype) and golden["steps"] == PL.STEPS
     # the references the parity cases use (computed once per session, shared with them)
-    layouts = {P.reference_key(P.BY_NAME[n], dtype): P.BY_NAME[n] for n, d in reversed(CASES) if d == dtype}
+    layouts = {PT.reference_key(PL.BY_NAME[n], dtype): PL.BY_NAME[n] for n, d in reversed(CASES) if d == dtype}
     for key, layout in layouts.items():
         assert key in golden["reference"], f"no golden reference losses for {key}"
         stored = golden["reference"][key]
@@ -129,7 +131,7 @@ def test_layout_matches_golden(parity_runs, name, dtype):
 
 # ------------------------------------------------------------------------- suite and bad input
 def test_layout_list_covers_the_issue():
-    names = set(P.BY_NAME)
+    names = set(PL.BY_NAME)
     for required in [
         "fsdp2",
         "fsdp4",
@@ -149,13 +151,13 @@ def test_layout_list_covers_the_issue():
     ]:
         assert required in names
     for pp in (2, 4):
-        for schedule in P.PP_SCHEDULES:
+        for schedule in PL.PP_SCHEDULES:
             assert f"pp{pp}_{schedule.lower()}" in names
-    for layout in P.LAYOUTS:  # every layout is a valid config at its world size, global batch fixed
+    for layout in PL.LAYOUTS:  # every layout is a valid config at its world size, global batch fixed
         cfg = load_config(None, layout.overrides("fp32"))
         validate(cfg, layout.world_size, check_files=False)
-        assert cfg.training.local_batch_size * layout.dp == P.GLOBAL_BATCH
-    assert P.BY_NAME["fsdp2_tp2_pp2_cp2"].world_size == 16
+        assert cfg.training.local_batch_size * layout.dp == PL.GLOBAL_BATCH
+    assert PL.BY_NAME["fsdp2_tp2_pp2_cp2"].world_size == 16
 
 
 @pytest.mark.parametrize(
@@ -202,9 +204,9 @@ def test_results_writer_merges_and_keeps_columns(tmp_path):
         "versions": {},
         "overrides": [],
     }
-    P.write_results([row], tmp_path)
-    P.write_results([dict(row, dtype="bf16", tolerance=1e-3)], tmp_path)
-    P.write_results([P.failed_row(P.BY_NAME["tp2"], "fp32", "boom")], tmp_path)
+    PT.write_results([row], tmp_path)
+    PT.write_results([dict(row, dtype="bf16", tolerance=1e-3)], tmp_path)
+    PT.write_results([P.failed_row(PL.BY_NAME["tp2"], "fp32", "boom")], tmp_path)
     lines = (tmp_path / "loss_parity.csv").read_text().splitlines()
     assert lines[0] == "layout,world_size,dtype,steps,max_abs_diff,tolerance,passed"
     assert len(lines) == 4 and any(ln.startswith("tp2,2,fp32,0,nan") and ln.endswith("False") for ln in lines)

@@ -30,7 +30,7 @@ from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
 from core.train import Trainer, init_distributed
 from core.validate import validate
-from recipes.studies.parity import FLOAT8_TOLERANCE  # the parity suite's, justified there
+from recipes.studies.parity_layouts import FLOAT8_TOLERANCE  # the parity suite's, justified there
 from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 
 pytestmark = [pytest.mark.toggles]

@@ -20,174 +20,27 @@ Tolerances (max |loss_layout - loss_reference| over STEPS steps):
 Gradient clipping is active (max_norm below the measured grad norms) so the sharded norm is
 covered too. `run-recipe parity` runs the suite and writes results/loss_parity.{md,csv} and
 results/golden/loss_parity_<dtype>.json (per-step losses with the versions that made them).
+This module runs and compares; the layouts are in recipes/studies/parity_layouts.py, the tables
+it writes in recipes/studies/parity_tables.py.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-import torch
 from tabulate import tabulate
 
 from core.config import load_config
-from core.parallel.mesh import ParallelDims
 from core.reference import reference_run
 from core.validate import validate
 from recipes import launcher
-from recipes.results import read_csv, write_csv
+from recipes.studies.parity_layouts import BASE, TOLERANCE, Layout, select
+from recipes.studies.parity_tables import write_results
 
-STEPS = 10
-GLOBAL_BATCH = 8
-SEQ_LEN = 64
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
-DTYPE_OVERRIDES = {
-    "fp32": ["--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32"],
-    "bf16": ["--training.mixed_precision_param=bfloat16", "--training.mixed_precision_reduce=float32"],
-}
-BASE = [
-    "--data.dataset=synthetic",
-    f"--training.seq_len={SEQ_LEN}",
-    f"--training.steps={STEPS}",
-    "--optimizer.lr=1e-3",
-    "--lr_scheduler.warmup_steps=2",
-    "--training.max_norm=0.3",
-    "--metrics.progress=false",
-    "--job.seed=0",
-]
-CSV_COLUMNS = ["layout", "world_size", "dtype", "steps", "max_abs_diff", "tolerance", "passed"]
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-# flavor per pipeline depth: looped schedules hold 2 stages per rank, one layer each at least
-PP_FLAVOR = {2: "tiny4", 4: "tiny8"}
 GROUP_WORKER = "recipes.studies.group_worker"  # runs a group's jobs inside one torchrun
-
-
-# bf16: inductor keeps fused intermediates in fp32 where eager rounds every op to bf16, so FSDP2
-# bf16 compiled is 1.6e-3 from the eager reference (1.8e-3 from fp32, eager bf16 2.1e-3);
-# emulating eager's roundings it is 9.3e-5, as eager FSDP2. fp32: no effect (exact either way).
-COMPILE = ("--compile.enabled=true", "--compile.emulate_precision_casts=true")
-FLOAT8_FSDP = (
-    "--float8.enabled=true",
-    "--float8.enable_fsdp_float8_all_gather=true",
-    "--float8.precompute_float8_dynamic_scale_for_fsdp=true",
-)
-# Float8 layouts vs the fp32 or bf16 reference: float8 e4m3 keeps 3 mantissa bits (2^-4 relative
-# rounding per element, vs bf16's 2^-8), so the losses differ by more than summation order.
-# Measured on this CPU over 10 steps (tiny model): 1.5e-3 .. 3.0e-3 (FSDP2 + float8 all-gather,
-# compiled or not, TP 2 tensorwise / rowwise; bf16 and fp32); 5e-3 is the issue's bound, 1.7x the
-# worst measured. Float8 numerics are deterministic here (same kernels, same reduction order).
-FLOAT8_TOLERANCE = 5e-3
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    flavor: str = "tiny"
-    extra: tuple[str, ...] = field(default_factory=tuple)
-    tolerance: float = 0.0  # 0: TOLERANCE[dtype]; Float8 layouts carry their own (FLOAT8_TOLERANCE)
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The degrees as the trainer's mesh reads them (one arithmetic for both)."""
-        d = ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, world_size=0)
-        d.world_size = d.dp * d.non_data_parallel_size
-        return d
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
-
-    @property
-    def bf16_mode(self) -> str:
-        """How the trainer computes in bf16: FSDP2 mixed precision (whenever FSDP is on), or
-        autocast without FSDP."""
-        return "params" if self.dims.fsdp_enabled else "autocast"
-
-    def overrides(self, dtype: str) -> list[str]:
-        return [
-            *BASE,
-            *DTYPE_OVERRIDES[dtype],
-            f"--model.flavor={self.flavor}",
-            f"--training.local_batch_size={GLOBAL_BATCH // self.dp}",
-            f"--parallelism.dp_replicate={self.dp_replicate}",
-            f"--parallelism.dp_shard={self.dp_shard}",
-            f"--parallelism.tp={self.tp}",
-            f"--parallelism.cp={self.cp}",
-            f"--parallelism.pp={self.pp}",
-            *self.extra,
-        ]
-
-
-def _pp_layouts() -> list[Layout]:
-    out = []
-    for pp in (2, 4):
-        for s in PP_SCHEDULES:
-            out.append(
-                Layout(f"pp{pp}_{s.lower()}", pp=pp, flavor=PP_FLAVOR[pp], extra=(f"--parallelism.pp_schedule={s}",))
-            )
-    return out
-
-
-LAYOUTS: list[Layout] = [
-    Layout("fsdp2", dp_shard=2),
-    Layout("fsdp4", dp_shard=4),
-    Layout("fsdp8", dp_shard=8),
-    Layout("hsdp2x2", dp_replicate=2, dp_shard=2),
-    Layout("tp2", tp=2),
-    Layout("tp4", tp=4),
-    Layout("fsdp2_tp2", dp_shard=2, tp=2),
-    Layout("fsdp4_tp2", dp_shard=4, tp=2),
-    Layout("cp2_allgather", cp=2, extra=("--parallelism.cp_rotate_method=allgather",)),
-    Layout("cp2_alltoall", cp=2, extra=("--parallelism.cp_rotate_method=alltoall",)),
-    Layout("cp4_allgather", cp=4, extra=("--parallelism.cp_rotate_method=allgather",)),
-    Layout("cp4_alltoall", cp=4, extra=("--parallelism.cp_rotate_method=alltoall",)),
-    Layout("fsdp2_cp2", dp_shard=2, cp=2),
-    *_pp_layouts(),
-    Layout("fsdp2_tp2_pp2", dp_shard=2, tp=2, pp=2, flavor="tiny4", extra=("--parallelism.pp_schedule=1F1B",)),
-    Layout(
-        "fsdp2_tp2_pp2_cp2", dp_shard=2, tp=2, pp=2, cp=2, flavor="tiny4", extra=("--parallelism.pp_schedule=1F1B",)
-    ),
-    # Efficiency toggles (issue: toggles). Per-block compile must keep fp32 parity (1e-5).
-    Layout("fsdp2_compile", dp_shard=2, extra=COMPILE),
-    Layout("tp2_compile", tp=2, extra=COMPILE),
-    Layout("fsdp2_tp2_compile", dp_shard=2, tp=2, extra=COMPILE),
-    Layout("fsdp2_tp2_compile_acfull", dp_shard=2, tp=2, extra=COMPILE + ("--activation_checkpoint.mode=full",)),
-    # Float8 against the same high-precision reference, with FLOAT8_TOLERANCE.
-    Layout("fsdp2_float8", dp_shard=2, extra=FLOAT8_FSDP, tolerance=FLOAT8_TOLERANCE),
-    Layout("fsdp2_compile_float8", dp_shard=2, extra=COMPILE + FLOAT8_FSDP, tolerance=FLOAT8_TOLERANCE),
-    Layout(
-        "tp2_float8_rowwise",
-        tp=2,
-        extra=("--float8.enabled=true", "--float8.recipe=rowwise"),
-        tolerance=FLOAT8_TOLERANCE,
-    ),
-]
-BY_NAME = {layout.name: layout for layout in LAYOUTS}
-
-
-def select(names: list[str] | None) -> list[Layout]:
-    if not names:
-        return list(LAYOUTS)
-    unknown = [n for n in names if n not in BY_NAME]
-    if unknown:
-        raise click.BadParameter(
-            f"unknown layout(s) {', '.join(unknown)}; valid: {', '.join(BY_NAME)}", param_hint="--layouts"
-        )
-    return [BY_NAME[n] for n in names]
 
 
 # ------------------------------------------------------------------------------------ running
@@ -285,164 +138,6 @@ def compare(layout: Layout, dtype: str, record: dict, wall: float) -> dict:
         "launch_wall_s": wall,
         "versions": record.get("versions", {}),
     }
-
-
-# ------------------------------------------------------------------------------------ writing
-def versions() -> dict:
-    try:  # the installed version, without importing torchao (its import prints kernel warnings)
-        torchao = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        torchao = None
-    return {"torch": torch.__version__, "python": platform.python_version(), "torchao": torchao}
-
-
-def write_results(rows: list[dict], results_dir: Path) -> None:
-    """Merge rows into results/loss_parity.csv (keyed by layout and dtype), regenerate the
-    Markdown table from it, and merge the per-step losses into the golden JSON per dtype."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = results_dir / "loss_parity.csv", results_dir / "loss_parity.md"
-    detail_path = results_dir / "golden" / "loss_parity_detail.json"
-    merged = {(r["layout"], r["dtype"]): r for r in read_csv(csv_path)}
-    details = json.loads(detail_path.read_text()) if detail_path.is_file() else {}
-    for r in rows:
-        merged[(r["layout"], r["dtype"])] = {c: r[c] for c in CSV_COLUMNS}
-        if not r["losses"]:
-            details[f"{r['layout']}/{r['dtype']}"] = {"error": r.get("error", "")}
-            continue
-        details[f"{r['layout']}/{r['dtype']}"] = {
-            "step_time_s": r["step_time_s"],
-            "peak_memory_gib_per_rank": r["peak_memory_gib_per_rank"],
-            "memory_kind": r["memory_kind"],
-            "clipped_steps": r["clipped_steps"],
-            "grad_norm_max_rel_diff": r["grad_norm_max_rel_diff"],
-            "grouped": r.get("grouped", False),
-        }
-    order = {lay.name: i for i, lay in enumerate(LAYOUTS)}
-    keyed = sorted(
-        merged.values(), key=lambda r: (r["dtype"] != "fp32", r["dtype"], order.get(r["layout"], 1e9), r["layout"])
-    )
-    write_csv(csv_path, [{c: _fmt_csv(r[c]) for c in CSV_COLUMNS} for r in keyed], CSV_COLUMNS)
-    (detail_path.parent).mkdir(parents=True, exist_ok=True)
-    detail_path.write_text(json.dumps(details, indent=1, sort_keys=True) + "\n")
-    md_path.write_text(markdown(keyed, details))
-
-    for dtype in sorted({r["dtype"] for r in rows}):
-        path = results_dir / "golden" / f"loss_parity_{dtype}.json"
-        golden = json.loads(path.read_text()) if path.is_file() else {}
-        golden.update(
-            {
-                "dtype": dtype,
-                "steps": STEPS,
-                "global_batch": GLOBAL_BATCH,
-                "seq_len": SEQ_LEN,
-                "base_overrides": BASE + DTYPE_OVERRIDES[dtype],
-                "parity_tolerance": TOLERANCE[dtype],
-                "golden_tolerance": golden_tolerance(dtype),
-            }
-        )
-        layouts = golden.setdefault("layouts", {})
-        refs = golden.setdefault("reference", {})
-        for r in rows:
-            if r["dtype"] != dtype or not r["passed"]:
-                continue  # golden losses are those of passing runs only
-            layouts[r["layout"]] = {
-                "world_size": r["world_size"],
-                "losses": r["losses"],
-                "versions": r["versions"],
-                "overrides": r["overrides"],
-            }
-            if r["reference"]:
-                refs[reference_key(BY_NAME[r["layout"]], dtype)] = r["reference"]
-        golden["versions"] = versions()
-        path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-
-
-def reference_key(layout: Layout, dtype: str) -> str:
-    return f"{layout.flavor}/{layout.bf16_mode}" if dtype == "bf16" else layout.flavor
-
-
-def golden_tolerance(dtype: str) -> float:
-    """Re-runs against the stored golden losses: the parity tolerance (the same code on the same
-    versions reproduces them to ~1e-7; another CPU's kernels may sum in another order)."""
-    return TOLERANCE[dtype]
-
-
-def _fmt_csv(v):
-    if isinstance(v, float):
-        return f"{v:.3e}"
-    return v
-
-
-def markdown(rows: list[dict], details: dict) -> str:
-    v = versions()
-    lines = [
-        "# Loss parity: N-D layouts vs the single-process run",
-        "",
-        (
-            f"Generated by `run-recipe parity` (torch {v['torch']}, torchao {v['torchao']}). Tiny Llama, "
-            f"synthetic tokens, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, {STEPS} AdamW steps with "
-            "grad clipping active; max |loss - reference loss| over the steps. fp32 tolerance 1e-5; "
-            "bf16 (FSDP2 bf16 params + fp32 reduce, or bf16 autocast without FSDP, vs the reference "
-            "under the same bf16 policy) 1e-3. Step time: mean over steps 2..N (CPU, gloo, OMP_NUM_THREADS=1 "
-            "per rank on a shared 2-core machine: relative, not absolute). Memory: peak RSS per rank "
-            "(includes ~0.4 GB of process baseline; blank when measured with --grouped). Per-step "
-            "losses and the versions that made them: results/golden/loss_parity_<dtype>.json."
-        ),
-        "",
-        (
-            "Why the bf16 reference follows the layout's policy: FSDP2 mixed precision computes the "
-            "whole block in bf16 while autocast keeps the residual stream in fp32; measured on this "
-            "suite, FSDP2 bf16 vs an autocast reference differs by 2.7e-3 (either is ~2e-3 from fp32), "
-            "FSDP2 bf16 vs a reference with bf16 parameter copies by 9e-5."
-        ),
-        "",
-        (
-            "Grad-norm rel diff: max over steps of |norm - reference norm| / reference norm, the "
-            "check on the sharded grad-norm clipping (AdamW hardly sees clipping's uniform scale, so "
-            "the losses alone would not). In fp32 torch's CPU norm of the largest gradient is itself "
-            "~1e-4 from float64, the bound of this check; a replicated weight counted twice moves it ~1%."
-        ),
-        "",
-    ]
-    table = []
-    for r in rows:
-        d = details.get(f"{r['layout']}/{r['dtype']}", {})
-        mem = d.get("peak_memory_gib_per_rank") or []
-        table.append(
-            [
-                r["layout"],
-                r["world_size"],
-                r["dtype"],
-                r["steps"],
-                _fmt_csv(float(r["max_abs_diff"])),
-                _fmt_csv(float(r["tolerance"])),
-                "run failed" if "error" in d else r["passed"],
-                f"{d['step_time_s']:.3f}" if "step_time_s" in d else "",
-                f"{max(mem) * 1024:.0f}" if mem and not d.get("grouped") else "",
-                d.get("clipped_steps", ""),
-                _fmt_csv(d["grad_norm_max_rel_diff"]) if d.get("grad_norm_max_rel_diff") is not None else "",
-            ]
-        )
-    lines.append(
-        tabulate(
-            table,
-            headers=[
-                "layout",
-                "world",
-                "dtype",
-                "steps",
-                "max abs diff",
-                "tolerance",
-                "passed",
-                "step s",
-                "peak MB/rank",
-                "clipped steps",
-                "grad-norm rel diff",
-            ],
-            tablefmt="github",
-        )
-    )
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- CLI

@@ -15,37 +15,28 @@ absolute times drift; ratios of interleaved runs much less). Sections:
   bf16 autocast), and FSDP2 with float8 all-gather at world 2 against FSDP2 bf16.
 Step times come from real Trainers (world 1) built side by side and stepped round-robin
 (`interleaved`), so a burst of load from other jobs hits every variant alike.
+This module holds the AC and compile-speedup measurements and the tables; the round-robin harness
+is in toggles_interleaved, the cold-compile probe in toggles_probe, the Float8 section in toggles_float8.
 """
 
 from __future__ import annotations
 
 import json
-import resource
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import click
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from core.config import Compile, load_config
-from core.models.llama3 import FLAVORS, build_model
-from core.parallel.parallelize import Toggles
-from core.reference import reference_run
-from core.toggles.compile import apply_compile
-from core.train import Trainer
-from core.validate import validate
 from recipes import launcher
 from recipes.results import write_csv
-from recipes.studies.common import one_rank_group, synthetic_job
+from recipes.studies.common import one_rank_group
+from recipes.studies.toggles_float8 import float8_deviation, float8_fsdp
+from recipes.studies.toggles_interleaved import bench_overrides, interleaved, max_diff, median
+from recipes.studies.toggles_probe import cold_compile
 
-PROBE_MODULE = "recipes.studies.toggles_bench"  # run as `python -m` for a cold-compile probe
 CSV_COLUMNS = ["section", "name", "metric", "value", "unit", "ratio", "ratio_of", "notes"]
 AC_MODES = {
     "none": [],
@@ -53,55 +44,6 @@ AC_MODES = {
     "ac:op": ["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option='op'"],
     "ac:layer2": ["activation_checkpoint.mode=selective", "activation_checkpoint.selective_ac_option='2'"],
 }
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-def _overrides(flavor: str, seq_len: int, batch: int, steps: int, dtype: str) -> list[str]:
-    return synthetic_job(
-        flavor,
-        seq_len,
-        batch,
-        steps,
-        f"--training.mixed_precision_param={dtype}",
-        "--lr_scheduler.warmup_steps=2",
-        "--optimizer.lr=1e-3",
-    )
-
-
-def _trainer(base: list[str], extra: list[str], out: str):
-    cfg = validate(load_config(None, base + extra + [f"job.output_dir={out}"]), 1, check_files=False)
-    return Trainer(cfg)
-
-
-def _median(times: list[float]) -> float:
-    return statistics.median(times)
-
-
-def interleaved(
-    base: list[str], variants: dict[str, list[str]], steps: int, warmup: int = 2, out: str = ""
-) -> dict[str, dict]:
-    """Build one trainer per variant (same seed, same token stream) and run their training steps
-    round-robin, the order rotating each round: every variant sees the same machine load, so the
-    ratios of their step times survive a busy shared CPU. The first `warmup` steps (lazy init,
-    compilation) are not timed. Returns {name: {"times", "losses", "trainer"}}."""
-    trainers = {name: _trainer(base, extra, f"{out}/{name.replace(':', '_')}") for name, extra in variants.items()}
-    iters = {name: iter(t.dataloader) for name, t in trainers.items()}
-    res = {name: {"times": [], "losses": [], "trainer": t} for name, t in trainers.items()}
-    names = list(trainers)
-    for step in range(warmup + steps):
-        k = step % len(names)
-        for name in names[k:] + names[:k]:
-            t0 = time.perf_counter()
-            loss, _ = trainers[name].train_step([next(iters[name])])
-            dt = time.perf_counter() - t0
-            res[name]["losses"].append(loss)
-            if step >= warmup:
-                res[name]["times"].append(dt)
-    return res
-
-
-def _max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 # ---------------------------------------------------------------------------------------- AC
@@ -110,7 +52,7 @@ def ac_table(
 ) -> list[dict]:
     """Per AC mode: peak activation / total MiB of one train step (MemTracker), step time
     (interleaved trainers), max loss diff vs no AC."""
-    base = _overrides(flavor, seq_len, batch, steps, dtype)
+    base = bench_overrides(flavor, seq_len, batch, steps, dtype)
     rows = []
     with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, AC_MODES, steps, out=tmp)
@@ -126,7 +68,7 @@ def ac_table(
                     "mode": name,
                     "act_mib": sum(v.get(_MemRefType.ACT, 0) for v in peak.values()) / 2**20,
                     "total_mib": sum(v.get("Total", 0) for v in peak.values()) / 2**20,
-                    "step_s": _median(run["times"]),
+                    "step_s": median(run["times"]),
                     "losses": run["losses"],
                     "applied": list(trainer.toggles.applied),
                 }
@@ -136,7 +78,7 @@ def ac_table(
     for r in rows:
         r["act_ratio"] = r["act_mib"] / ref["act_mib"]
         r["time_ratio"] = r["step_s"] / ref["step_s"]
-        r["max_loss_diff"] = _max_diff(r["losses"], ref["losses"])
+        r["max_loss_diff"] = max_diff(r["losses"], ref["losses"])
     return rows
 
 
@@ -145,148 +87,18 @@ def compile_speedup(
     flavor: str = "debug", seq_len: int = 256, batch: int = 8, steps: int = 10, dtype: str = "bfloat16"
 ) -> dict:
     """Step time eager vs per-block compile (trainers interleaved step by step, world 1)."""
-    base = _overrides(flavor, seq_len, batch, steps, dtype)
+    base = bench_overrides(flavor, seq_len, batch, steps, dtype)
     with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         runs = interleaved(base, {"eager": [], "compile": ["compile.enabled=true"]}, steps, out=tmp)
-    eager, compiled = _median(runs["eager"]["times"]), _median(runs["compile"]["times"])
+    eager, compiled = median(runs["eager"]["times"]), median(runs["compile"]["times"])
     return {
         "eager_step_s": eager,
         "compile_step_s": compiled,
         "speedup": eager / compiled,
-        "max_loss_diff": _max_diff(runs["eager"]["losses"], runs["compile"]["losses"]),
+        "max_loss_diff": max_diff(runs["eager"]["losses"], runs["compile"]["losses"]),
         "applied": list(runs["compile"]["trainer"].toggles.applied),
         "shape": f"{flavor}, seq {seq_len}, batch {batch}, {dtype}",
     }
-
-
-def _cpu_s() -> float:
-    """CPU seconds of this process and its reaped children (gcc): less load-sensitive than wall."""
-    c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + c.ru_utime + c.ru_stime
-
-
-def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int = 4) -> dict:
-    """(In a fresh process.) Time the first training step, which compiles, and the later ones."""
-    model = build_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
-    if mode == "block":
-        apply_compile(model, Compile(enabled=True), Toggles())
-    elif mode == "whole":
-        model = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    g = torch.Generator().manual_seed(0)
-    wall, cpu = [], []
-    for _ in range(steps):
-        tokens = torch.randint(0, 4352, (batch, seq_len + 1), generator=g)
-        t0, c0 = time.perf_counter(), _cpu_s()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(_cpu_s() - c0)
-    return {
-        "mode": mode,
-        "first_step_s": wall[0],
-        "steady_step_s": _median(wall[1:]),
-        "compile_s": wall[0] - _median(wall[1:]),
-        "compile_cpu_s": cpu[0] - _median(cpu[1:]),
-    }
-
-
-def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> dict:
-    """Cold compile (first step minus a steady step, wall and CPU time) of per-block vs whole-model
-    compile, each in a fresh process on an empty inductor cache; then per-block again on the cache
-    it filled. Inductor compiles in-process (COMPILE_THREADS=1) so its CPU time is counted."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, mode, cache in (
-            ("block_cold", "block", "block"),
-            ("whole_cold", "whole", "whole"),
-            ("block_warm", "block", "block"),
-        ):
-            env = launcher.launch_env(
-                "proxy", 1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", TORCHINDUCTOR_COMPILE_THREADS="1"
-            )
-            cmd = [
-                sys.executable,
-                "-m",
-                PROBE_MODULE,
-                "--probe",
-                mode,
-                "--flavor",
-                flavor,
-                "--seq-len",
-                str(seq_len),
-                "--batch",
-                str(batch),
-            ]
-            proc = subprocess.run(
-                cmd, check=False, capture_output=True, text=True, env=env, cwd=launcher.project_root(), timeout=1800
-            )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-            if proc.returncode or not lines:
-                raise RuntimeError(f"compile probe {mode} failed:\n{proc.stderr[-3000:]}")
-            out[key] = json.loads(lines[-1][6:])
-    out["n_layers"] = FLAVORS[flavor].n_layers
-    out["whole_over_block"] = out["whole_cold"]["compile_s"] / out["block_cold"]["compile_s"]
-    out["whole_over_block_cpu"] = out["whole_cold"]["compile_cpu_s"] / out["block_cold"]["compile_cpu_s"]
-    out["warm_over_cold"] = out["block_warm"]["compile_s"] / out["block_cold"]["compile_s"]
-    return out
-
-
-# ------------------------------------------------------------------------------------ float8
-def float8_deviation(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: int = 10) -> list[dict]:
-    """bf16 autocast vs each float8 recipe (world 1, trainers interleaved): max |loss diff| over
-    the steps, step time ratio. The tiny shape: CPU `_scaled_mm` runs ~35 ns per multiply-add.
-    `tensorwise_emulated` is what the CPU proxy rows run (torchao's fp32 emulation)."""
-    base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
-    variants = {
-        "bf16": [],
-        **{r: ["float8.enabled=true", f"float8.recipe={r}"] for r in FLOAT8_RECIPES},
-        "tensorwise_emulated": ["float8.enabled=true", "float8.emulate=true"],
-    }
-    with one_rank_group(), tempfile.TemporaryDirectory() as tmp:
-        runs = interleaved(base, variants, steps, warmup=0, out=tmp)
-    ref = runs.pop("bf16")
-    # warmup=0: every step's loss is compared; times drop the first step (lazy init)
-    return [
-        {
-            "recipe": r,
-            "max_loss_diff": _max_diff(run["losses"], ref["losses"]),
-            "final_loss": run["losses"][-1],
-            "bf16_final_loss": ref["losses"][-1],
-            "time_ratio": _median(run["times"][1:]) / _median(ref["times"][1:]),
-            "applied": list(run["trainer"].toggles.applied),
-        }
-        for r, run in runs.items()
-    ]
-
-
-def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: int = 10) -> dict:
-    """FSDP2 world 2, bf16 params + float8 all-gather + precomputed scales, vs the bf16 single
-    process reference (core.reference, bf16 autocast) on the same global batch."""
-    base = _overrides(flavor, seq_len, batch, steps, "bfloat16")
-    ref = reference_run(validate(load_config(None, base), 1, check_files=False))["losses"]
-    fp8 = [
-        "float8.enabled=true",
-        "float8.enable_fsdp_float8_all_gather=true",
-        "float8.precompute_float8_dynamic_scale_for_fsdp=true",
-    ]
-    world2 = _overrides(flavor, seq_len, batch // 2, steps, "bfloat16") + ["--parallelism.dp_shard=2"]
-    out, losses = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("bf16", []), ("float8", fp8)):
-            rec = launcher.launch_trainer(2, world2 + ["--" + o for o in extra], f"{tmp}/{name}")
-            losses[name] = rec["losses"]
-            out[name] = {
-                "max_loss_diff": _max_diff(rec["losses"], ref),
-                "step_s": _median(rec["step_times_s"][1:]),
-                "applied": rec["toggles_applied"],
-            }
-    out["float8_vs_fsdp_bf16"] = _max_diff(losses["float8"], losses["bf16"])  # the float8 effect alone
-    out["shape"] = f"{flavor}, seq {seq_len}, global batch {batch}, {steps} steps, FSDP2 world 2"
-    return out
 
 
 # ----------------------------------------------------------------------------------- writing
@@ -551,24 +363,8 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
 
 @click.command("toggles-bench")
 @click.option("--quick", is_flag=True, help="Smaller shapes (a smoke run, not the reported figures).")
-@click.option(
-    "--probe",
-    type=click.Choice(["eager", "block", "whole"]),
-    hidden=True,
-    help="(In a fresh process, for cold_compile.) Time one compile mode and print PROBE <json>.",
-)
-@click.option("--flavor", default="debug", hidden=True)
-@click.option("--seq-len", type=int, default=256, hidden=True)
-@click.option("--batch", type=int, default=8, hidden=True)
-def toggles_bench(quick, probe, flavor, seq_len, batch):
+def toggles_bench(quick):
     """Measure AC, regional compile and Float8 on the CPU proxy; write results/toggles.{md,csv,json}."""
-    if probe:
-        click.echo("PROBE " + json.dumps(_compile_probe(probe, flavor, seq_len, batch)))
-        return
     m = measure(quick)
     write_results(m)
     click.echo(markdown(m))
-
-
-if __name__ == "__main__":  # the cold-compile probe (a fresh process per compile mode)
-    toggles_bench()
