@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs
 from core.validate import validate
-from recipes import launcher, registry
+from recipes import hardware_check, launcher, multinode, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -202,7 +202,7 @@ def show_cmd(recipe_id, as_json, overrides):
         cfgs = {m: launcher.resolve_config(r, m, overrides) for m in ("real", "proxy")}
     except (RecipeError, ConfigError) as e:
         _fail(f"error: {e}", EXIT_CONFIG)
-    hard, advisory = launcher.real_requirements(r, cfgs["real"])
+    hard, advisory = hardware_check.real_requirements(r, cfgs["real"])
     if as_json:
         click.echo(
             json.dumps(
@@ -276,7 +276,7 @@ def show_cmd(recipe_id, as_json, overrides):
         )
     )
     click.echo("\nmodes")
-    report = launcher.check_hardware(r, cfgs["real"]) if r.nnodes() == 1 else None
+    report = hardware_check.check_hardware(r, cfgs["real"]) if r.nnodes() == 1 else None
     here = (
         "runs here"
         if report and report.ok
@@ -404,7 +404,7 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
                 EXIT_CONFIG,
             )
         if mode == "real" and nnodes == 1 and not slurm:
-            report = launcher.check_hardware(r, cfg)
+            report = hardware_check.check_hardware(r, cfg)
             if not report.ok:
                 _fail(
                     f"error: {r.id}: real mode cannot run on this machine:\n"
@@ -452,14 +452,14 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
             nproc = min(world, r.gpus_per_node)
             if slurm:
                 script = run_dir / "sbatch.sh"
-                script.write_text(launcher.sbatch_script(r, cfg, run_dir, nnodes, nproc, records, sbatch_opts))
+                script.write_text(multinode.sbatch_script(r, cfg, run_dir, nnodes, nproc, records, sbatch_opts))
                 script.chmod(0o755)
                 click.echo(f"sbatch script: {script}\nsubmit with: sbatch {script}")
             else:
                 click.echo(
                     f"{r.id} needs {nnodes} nodes x {nproc} GPUs. On every node, with HOST the first node's address:\n"
                 )
-                click.echo("  " + launcher.multinode_command(nnodes, nproc, job, r.fname) + "\n")
+                click.echo("  " + multinode.multinode_command(nnodes, nproc, job, r.fname) + "\n")
                 click.echo("or let run-recipe write an sbatch script: add --slurm")
             continue
         cmd = launcher.local_command(world, job, max_restarts)

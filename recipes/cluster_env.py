@@ -1,4 +1,4 @@
-"""The environment real runs get on a GPU node or a SLURM cluster (used by recipes.launcher)."""
+"""The environment real runs get on a GPU node or a SLURM cluster (used by recipes.launcher, recipes.multinode)."""
 
 from __future__ import annotations
 

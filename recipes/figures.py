@@ -147,7 +147,7 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
 
 
 def figure_rows(df, records: dict) -> list[dict]:
-    """What table_figure draws, per row of a results table frame (recipes.results.table_frame),
+    """What table_figure draws, per row of a results table frame (recipes.table_data.table_frame),
     with the breakdown and step time from the row's dry-run record."""
     out = []
     for _, row in df.iterrows():

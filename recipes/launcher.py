@@ -1,5 +1,6 @@
-"""Turns a recipe row into a run: resolve + validate the JobConfig, check the machine, then launch
-with torchrun (one node), print the multi-node torchrun command, or write an sbatch script.
+"""Turns a recipe row into a run: resolve + validate the JobConfig, make and lock the run folder,
+then launch with torchrun (one node). The machine check: recipes/hardware_check.py; the
+multi-node torchrun command and the sbatch script: recipes/multinode.py.
 
 Nothing here trains: every run is `python -m torch.distributed.run ... -m core.train --config
 <run_dir>/job.json`, and the trainer writes `<run_dir>/result.json` (the record).
@@ -13,23 +14,19 @@ import datetime
 import importlib.util
 import json
 import os
-import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
-from core.hardware import check_hardware as check_toggles
 from core.validate import validate
-from recipes.cluster_env import CUDA_ALLOC_CONF, sbatch_env_lines
+from recipes.cluster_env import CUDA_ALLOC_CONF
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-RDZV_PORT = 29500
 
 
 def project_root() -> Path:
@@ -87,77 +84,6 @@ def resolve_config(
     return cfg
 
 
-# ------------------------------------------------------------------------------- hardware
-@dataclass
-class HardwareReport:
-    missing: list[str]
-    notes: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.missing
-
-
-def _sm(token: str) -> tuple[int, int] | None:
-    if token.startswith("sm") and token[2:].isdigit() and len(token) >= 4:
-        return int(token[2:-1]), int(token[-1])
-    return None
-
-
-def real_requirements(recipe: Recipe, cfg: JobConfig) -> tuple[list[str], list[str]]:
-    """(hard, advisory) requirements of a real run of cfg: the recipe's list plus what the config
-    itself implies (GPU count, sm89 for Float8, sm90 + NVSwitch for AsyncTP)."""
-    world = cfg.parallelism.world_size
-    hard = [t for t in recipe.requires.get("real", ()) if not t.startswith("cuda>=")]
-    hard.insert(0, f"cuda>={world}")
-    if cfg.float8.enabled and not cfg.float8.emulate and "sm89" not in hard:
-        hard.append("sm89")
-    advisory = list(recipe.requires.get("advisory", ()))
-    if cfg.parallelism.enable_async_tp and cfg.parallelism.tp > 1:
-        advisory += [t for t in ("sm90", "nvswitch") if t not in advisory]
-    return hard, advisory
-
-
-def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
-    """Can this node run cfg for real, single-node? Lists what is missing, never guesses."""
-    import torch  # here, not at the top: `run-recipe list` and `show` must not pay torch's import
-
-    hard, advisory = real_requirements(recipe, cfg)
-    world = cfg.parallelism.world_size
-    missing: list[str] = []
-    notes: list[str] = []
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        missing.append(
-            f"CUDA: not available (torch {torch.__version__} is {build}; no GPU visible); needs {world} GPUs"
-        )
-        caps = []
-    else:
-        n = torch.cuda.device_count()
-        if n < world:
-            missing.append(f"GPUs: {world} needed on this node, {n} visible")
-        caps = [torch.cuda.get_device_capability(i) for i in range(n)]
-    for token in hard:
-        need = _sm(token)
-        if need and caps and min(caps) < need:
-            have = "sm{}{}".format(*min(caps))
-            missing.append(f"compute capability {token} (Float8 matmuls): this node has {have}")
-    for token in advisory:
-        need = _sm(token)
-        if need:
-            have = "sm{}{}".format(*min(caps)) if caps else "no GPU"
-            if not caps or min(caps) < need:
-                notes.append(f"AsyncTP wants {token} (symmetric memory); this node: {have}")
-        elif token == "nvswitch":
-            notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
-    try:  # the trainer's own check (Float8 sm89+, AsyncTP: CUDA + NVLink/NVSwitch in real mode)
-        check_toggles(cfg)
-    except ConfigError as e:
-        if str(e) not in missing:
-            missing.append(str(e))
-    return HardwareReport(missing, notes)
-
-
 def dry_run_available() -> bool:
     try:
         return importlib.util.find_spec("core.dryrun") is not None
@@ -207,77 +133,6 @@ def trainer_target(config_path: Path | str | None = None, overrides: list[str] |
 
 def local_command(world: int, config_path: Path, max_restarts: int = 0) -> list[str]:
     return torchrun_command(world, trainer_target(config_path), max_restarts=max_restarts)
-
-
-def multinode_command(
-    nnodes: int, nproc: int, config_path: Path, rdzv_id: str, endpoint: str = f"$HOST:{RDZV_PORT}"
-) -> str:
-    """The command to run on every node; HOST is the first node's address."""
-    cmd = torchrun_command(
-        nproc,
-        trainer_target(shlex.quote(str(config_path))),
-        nnodes=nnodes,
-        rdzv_id=rdzv_id,
-        rdzv_endpoint=endpoint,
-        exe="torchrun",
-    )
-    return " ".join(cmd)
-
-
-def sbatch_script(
-    recipe: Recipe,
-    cfg: JobConfig,
-    run_dir: Path,
-    nnodes: int,
-    nproc: int,
-    records_dir: Path | None,
-    extra: list[str] | tuple[str, ...] = (),
-) -> str:
-    q = shlex.quote
-    cmd = torchrun_command(
-        nproc,
-        trainer_target(q(str(run_dir / "job.json"))),
-        nnodes=nnodes,
-        rdzv_id='"$SLURM_JOB_ID"',
-        rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
-        exe=q(torchrun_exe()),
-        launcher_args=["$numa_flag"],
-    )
-    # one shell line per group: executable | nodes, ranks, CPU binding | rendezvous | what each rank runs
-    exe, dims, rdzv, target = cmd[:1], cmd[1:4], cmd[4:7], cmd[7:]
-    lines = [
-        "#!/bin/bash",
-        (
-            f"# run-recipe: {recipe.id} (real), {cfg.parallelism.world_size} GPUs = "
-            f"{nnodes} nodes x {nproc}. One torchrun per node, rendezvous on the first node."
-        ),
-        f"#SBATCH --job-name={recipe.fname}",
-        f"#SBATCH --nodes={nnodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={nproc}",
-        "#SBATCH --exclusive",
-        f"#SBATCH --output={run_dir}/slurm-%j.out",
-        *[f"#SBATCH {opt if opt.startswith('--') else '--' + opt}" for opt in extra],
-        "",
-        "set -euo pipefail",
-        f"cd {q(str(project_root()))}",
-        f"export PYTHONPATH={q(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        *sbatch_env_lines(nproc),
-        # one task per node runs torchrun and its ranks: give it every core of the node (srun does
-        # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument
-        (
-            f'srun --nodes={nnodes} --ntasks-per-node=1 --cpus-per-task="$cpus_per_node" --cpu-bind=none '
-            f"{' '.join(exe)} \\"
-        ),
-        f"    {' '.join(dims)} \\",
-        f"    {' '.join(rdzv)} \\",
-        f"    {' '.join(target)}",
-    ]
-    if records_dir is not None:
-        dest = records_dir / "real" / f"{recipe.fname}.json"
-        lines += [f"mkdir -p {q(str(dest.parent))}", f"cp {q(str(run_dir / 'result.json'))} {q(str(dest))}"]
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- run dirs

@@ -4,9 +4,9 @@ Records live in `<records_dir>/<mode>/<id__>.json` (mode: real, proxy, dry-run),
 and mode, the latest run's. Each table gets `<table>.md` and `<table>.csv`: one line per paper
 row, the paper (and bench-2412) figures from the recipe files beside the dry-run's prediction
 and memory and our proxy's (or real) figures. The CSV has every column; the .md a compact table,
-the provenance under it and the figure (`<table>.png`, recipes/figures.py). A cell with no record
-is empty. `README.md` indexes the tables, the other results files when present, and says how
-each number was made.
+the provenance under it and the figure (`<table>.png`, recipes/figures.py); the numbers come from
+recipes/table_data.py. A cell with no record is empty. `README.md` indexes the tables, the other
+results files when present, and says how each number was made.
 
 The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
 (step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
@@ -16,10 +16,7 @@ The loss-convergence table is the exception in naming: `loss_convergence.csv` ho
 from __future__ import annotations
 
 import csv
-import itertools
-import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +25,7 @@ import pandas as pd
 from recipes import figures, loss_curves, registry
 from recipes.launcher import relative
 from recipes.schema import TABLES, Recipe
-
-OURS_MODES = ("real", "proxy")  # the "ours" columns take the real record if any, else the proxy's
+from recipes.table_data import load_records, predicted_part, table_frame
 
 
 # ------------------------------------------------------------------------------- CSV files
@@ -57,234 +53,8 @@ def write_csv(path: str | Path, rows: list[dict], columns: list[str] | tuple[str
     return path
 
 
-# ----------------------------------------------------------------------------------- records
-def load_records(records_dir: str | Path) -> dict[tuple[str, str], dict]:
-    """{(recipe id, mode): record} from <records_dir>/<mode>/*.json."""
-    out: dict[tuple[str, str], dict] = {}
-    root = Path(records_dir)
-    if not root.is_dir():
-        return out
-    for path in sorted(root.glob("*/*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(rec, dict):
-            continue
-        mode = rec.get("mode") or path.parent.name
-        rid = rec.get("recipe") or path.stem.replace("__", "/")
-        rec["_path"] = str(path)
-        out[(rid, mode)] = rec
-    return out
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _ours(records: dict, rid: str) -> dict | None:
-    return next((records[(rid, mode)] for mode in OURS_MODES if (rid, mode) in records), None)
-
-
-def _gain(value: float | None, base: float | None) -> float | None:
-    """value over base in % (also each error vs the paper); None without both."""
-    return None if value is None or not base else 100.0 * (value / base - 1.0)
-
-
-def _float8_applied(rec: dict) -> bool:
-    return any(str(t).startswith("float8") for t in rec.get("toggles_applied") or [])
-
-
-def _final_loss(rec: dict) -> float | None:
-    losses = rec.get("losses") or []
-    return _num(losses[-1]) if losses else None
-
-
-def _max_loss_delta(rec: dict, base: dict) -> float | None:
-    a, b = rec.get("losses") or [], base.get("losses") or []
-    n = min(len(a), len(b))
-    if not n or len(a) != len(b):
-        return None
-    return max(abs(float(x) - float(y)) for x, y in zip(a, b))
-
-
-def _dry_mem(rec: dict | None) -> float | None:
-    keys = ("estimated_peak_gib", "estimated_peak_memory_gib", "peak_memory_gib")
-    return next((_num(rec[k]) for k in keys if _num(rec.get(k)) is not None), None) if rec else None
-
-
-TECHNIQUE_NAMES = {
-    "compile": "compile",
-    "float8": "Float8",
-    "async_tp": "AsyncTP",
-    "fsdp": "FSDP",
-    "tp": "TP",
-    "cp": "CP",
-}
-DIM_NAMES = {"cp": "CP", "dp_shard": "FSDP", "dp_replicate": "HSDP", "tp": "TP", "pp": "PP"}
-
-
-def comparisons(recipes: list[Recipe]) -> dict[str, str]:
-    """{row id: the id its gains are over}: the row's baseline; in a table without baselines (the
-    long-context tables) the previous row, so each CP doubling shows its throughput ratio."""
-    if any(r.baseline for r in recipes):
-        return {r.id: r.baseline for r in recipes if r.baseline}
-    return {b.id: a.id for a, b in itertools.pairwise(recipes)}
-
-
-def gain_of(recipe: Recipe, base_id: str | None = None) -> str | None:
-    """What a row adds over its baseline, from the techniques lists: `compile + Float8`,
-    `AsyncTP`, `Interleaved1F1B (vs 1F1B)`; over a previous row (base_id), the parallel degrees
-    that change: `CP 2, FSDP 4 (vs CP 1, FSDP 8)`."""
-    if not recipe.baseline:
-        if not base_id:
-            return None
-        new, old = recipe.degrees("real"), registry.get(base_id).degrees("real")
-        dims = [d for d in DIM_NAMES if new.get(d) != old.get(d)]
-        return (
-            (
-                ", ".join(f"{DIM_NAMES[d]} {new[d]}" for d in dims)
-                + " (vs "
-                + ", ".join(f"{DIM_NAMES[d]} {old[d]}" for d in dims)
-                + ")"
-            )
-            if dims
-            else None
-        )
-    base = registry.get(recipe.baseline).techniques
-    added = [t for t in recipe.techniques if t not in base]
-    names = []
-    for t in added:
-        if t.startswith("pp:"):
-            old = [b[3:] for b in base if b.startswith("pp:")]
-            names.append(t[3:] + (f" (vs {old[0]})" if old else ""))
-        else:
-            names.append(TECHNIQUE_NAMES.get(t, t))
-    return " + ".join(names) or None
-
-
-def _predicted(rec: dict | None) -> dict:
-    """The performance model's part of a dry-run record ({} when it has none)."""
-    p = (rec or {}).get("predicted")
-    return p if isinstance(p, dict) else {}
-
-
-def calibrated_constants(note: str | None, rid: str) -> list[str]:
-    """The constants a record's calibration note (`<constant> on <recipe id>, ...`) says were
-    fitted on the row rid."""
-    return [const for const, row in re.findall(r"([\w.]+) on ([\w./-]+)", note or "") if row == rid]
-
-
-def versions_text(rec: dict) -> str:
-    v = rec.get("versions") or {}
-    parts = [
-        f"torch {v['torch']}" if v.get("torch") else "",
-        f"torchao {v['torchao']}" if v.get("torchao") else "",
-        f"git {v['git']}" if v.get("git") else "",
-    ]
-    return ", ".join(p for p in parts if p)
-
-
-def toggle_notes(rec: dict) -> str:
-    """Toggles a record asked for but could not apply here, with the reason (e.g. AsyncTP on CPU),
-    and Float8 run emulated: a gain measured without its technique says so beside the number."""
-    notes = [f"{k} skipped: {v}" for k, v in (rec.get("toggles_skipped") or {}).items()]
-    if "float8:emulated" in (rec.get("toggles_applied") or ()):
-        notes.insert(0, "float8 emulated (fp32 matmul of float8-quantized operands)")
-    return "; ".join(notes)
-
-
 def table_csv_name(table: str) -> str:
     return "loss_convergence_table.csv" if table == "loss_convergence" else f"{table}.csv"
-
-
-# ------------------------------------------------------------------------------------ tables
-def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) -> pd.DataFrame:
-    """The table as numbers (None where there is nothing): the CSV's content."""
-    recipes = recipes if recipes is not None else registry.by_table(table)
-    loss_table = table == "loss_convergence"
-    bases = comparisons(recipes)
-    has_baseline = bool(bases)
-    has_bench = any("bench_tps_per_gpu" in r.reference or "bench_mem_gib" in r.reference for r in recipes)
-    has_pp = any(r.degrees("real")["pp"] > 1 for r in recipes)
-    rows = []
-    for r in recipes:
-        ref, ours, dry = r.reference, _ours(records, r.id), records.get((r.id, "dry-run"))
-        base_id = bases.get(r.id)
-        base_ref = base_ours = None
-        if base_id:
-            base_ref = registry.get(base_id).reference
-            base_ours = records.get((base_id, ours["mode"])) if ours else None
-        row: dict[str, Any] = {"row": r.row, "GPUs": r.gpus}
-        if not loss_table:
-            row["paper TPS/GPU"] = _num(ref.get("paper_tps_per_gpu"))
-            row["paper mem GiB"] = _num(ref.get("paper_mem_gib"))
-            if has_bench:
-                row["bench-2412 TPS/GPU"] = _num(ref.get("bench_tps_per_gpu"))
-                row["bench-2412 mem GiB"] = _num(ref.get("bench_mem_gib"))
-            if has_baseline:
-                row["gain of"] = gain_of(r, base_id)
-                row["paper gain %"] = _gain(
-                    _num(ref.get("paper_tps_per_gpu")), _num(base_ref.get("paper_tps_per_gpu")) if base_ref else None
-                )
-        tps = _num(ours.get("tokens_per_sec_per_device")) if ours else None
-        mfu = _num(ours.get("mfu")) if ours and not _float8_applied(ours) else None
-        row.update(
-            {
-                "ours mode": ours.get("mode") if ours else None,
-                "ours hardware": (ours.get("hardware") or {}).get("device") if ours else None,
-                "ours versions": versions_text(ours) if ours else None,
-                "ours world": ours.get("world_size") if ours else None,
-                "ours TPS/device": tps,
-                "ours MFU %": 100.0 * mfu if mfu is not None else None,
-                "ours peak mem GiB": _num(ours.get("peak_memory_gib")) if ours else None,
-                "ours final loss": _final_loss(ours) if ours else None,
-            }
-        )
-        if loss_table:
-            row["ours steps"] = ours.get("steps") if ours else None
-            row["max |Δloss| vs baseline"] = _max_loss_delta(ours, base_ours) if ours and base_ours else None
-        elif has_baseline:
-            base_tps = _num(base_ours.get("tokens_per_sec_per_device")) if base_ours else None
-            row["ours gain %"] = _gain(tps, base_tps) if base_id else None
-        if has_pp:
-            bubble = _num(ours.get("pp_bubble_fraction")) if ours else None
-            row["ours PP bubble %"] = 100.0 * bubble if bubble is not None else None
-        row["ours notes"] = (toggle_notes(ours) or None) if ours else None
-        row["dry-run est. mem GiB"] = _dry_mem(dry)
-        row["recipe"] = r.id
-        # the performance model's columns: after today's, so every reader of those keeps working
-        pred = _predicted(dry)
-        tps_pred = _num(pred.get("tokens_per_sec_per_gpu"))
-        row["predicted TPS/GPU"] = tps_pred
-        if not loss_table:
-            row["predicted TPS error %"] = _gain(tps_pred, _num(ref.get("paper_tps_per_gpu")))
-            if has_baseline:
-                base_pred = _num(_predicted(records.get((base_id, "dry-run"))).get("tokens_per_sec_per_gpu"))
-                row["predicted gain %"] = _gain(tps_pred, base_pred) if base_id else None
-            row["dry-run mem error %"] = _gain(_dry_mem(dry), _num(ref.get("paper_mem_gib")))
-        mfu_pred = _num(pred.get("mfu"))
-        row["predicted MFU %"] = round(100.0 * mfu_pred, 2) if mfu_pred is not None else None
-        row["predicted step s"] = _num(pred.get("step_time_s"))
-        row["predicted GPU"] = pred.get("gpu")
-        row["predicted fits GPU"] = pred.get("fits")
-        row["calibrated on"] = ", ".join(calibrated_constants(pred.get("calibration"), r.id)) or None
-        rows.append(row)
-    df = pd.DataFrame(rows)
-    if "predicted fits GPU" in df:
-        df["predicted fits GPU"] = df["predicted fits GPU"].astype("boolean")
-    for col in ("GPUs", "ours world", "ours steps"):
-        if col in df:
-            df[col] = df[col].astype("Int64")
-    for col in [c for c in df.columns if c.endswith(("gain %", "error %"))]:  # errors as shown: no double rounding
-        df[col] = df[col].astype(float).round(2 if col.endswith("gain %") else 1)
-    return df
 
 
 def _fmt_cell(col: str, value: Any, approx: bool = False) -> str:
@@ -357,7 +127,7 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
     """The short list under a compact table: the GPU spec and calibration of the predictions,
     the mode, hardware, versions and notes of our records, the recipe ids and the figure."""
     n = len(df)
-    preds = [_predicted(records.get((rid, "dry-run"))) for rid in df["recipe"]]
+    preds = [predicted_part(records.get((rid, "dry-run"))) for rid in df["recipe"]]
     gpus = sorted({p["gpu"] for p in preds if p.get("gpu")})
     notes = sorted({p["calibration"] for p in preds if p.get("calibration")})
     n_pred = int(df["predicted TPS/GPU"].notna().sum())

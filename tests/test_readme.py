@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from recipes import launcher, readme, registry
+from recipes import launcher, multinode, readme, registry
 from recipes.cli import main
 
 pytestmark = pytest.mark.dryrun
@@ -50,7 +50,7 @@ def _blocks() -> list[str]:
 
 def test_readme_multinode_command_is_what_run_recipe_prints(tmp_path):
     r = registry.get(MULTI)
-    printed = launcher.multinode_command(r.nnodes(), r.gpus_per_node, Path("<run dir>/job.json"), r.fname)
+    printed = multinode.multinode_command(r.nnodes(), r.gpus_per_node, Path("<run dir>/job.json"), r.fname)
     printed = printed.replace("'<run dir>/job.json'", "<run dir>/job.json")
     joined = [b.replace("\\\n    ", "").strip() for b in _blocks()]
     assert printed in joined, f"README's multi-node command differs from:\n{printed}"

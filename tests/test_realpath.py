@@ -23,7 +23,7 @@ from core.data.datasets import TokenWindowLoader, data_sharding, synthetic_docum
 from core.parallel.mesh import ParallelDims, mesh_groups
 from core.train import Trainer
 from core.validate import validate
-from recipes import launcher, registry
+from recipes import cluster_env, launcher, multinode, registry
 from recipes.studies import preflight as P
 from tests.dist_utils import TINY_JOB
 
@@ -212,7 +212,7 @@ def test_per_rank_sharding_splits_a_c4_layout_corpus_by_files():
 def _sbatch(tmp_path) -> str:
     recipe = registry.get("llama3_8b/table1/128gpu_fsdp")
     cfg = launcher.resolve_config(recipe, "real")
-    return launcher.sbatch_script(recipe, cfg, tmp_path, nnodes=16, nproc=8, records_dir=None)
+    return multinode.sbatch_script(recipe, cfg, tmp_path, nnodes=16, nproc=8, records_dir=None)
 
 
 def test_sbatch_binds_cpus_and_keeps_caches_node_local(tmp_path):
@@ -225,7 +225,7 @@ def test_sbatch_binds_cpus_and_keeps_caches_node_local(tmp_path):
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     # the environment block as the node's shell evaluates it
     block = (
-        "\n".join(launcher.sbatch_env_lines(8))
+        "\n".join(cluster_env.sbatch_env_lines(8))
         + '\necho "$OMP_NUM_THREADS|$PYTORCH_CUDA_ALLOC_CONF|$TORCHINDUCTOR_CACHE_DIR|$numa_flag"'
     )
     env = {"PATH": os.environ["PATH"], "SLURM_CPUS_ON_NODE": "96", "TMPDIR": "/local", "USER": "u"}

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
-from recipes import figures, registry, results
+from recipes import figures, registry, results, table_data
 
 pytestmark = pytest.mark.dryrun
 
@@ -379,6 +379,6 @@ def test_readme_names_the_calibration_the_spec_states():
     for const, row in pairs:
         registry.get(row)  # a real row
         assert f"`{const}`, on `{row}`" in section, (const, row)
-        assert results.calibrated_constants(note, row) == [const]
+        assert table_data.calibrated_constants(note, row) == [const]
     for gpu in known_gpus():
         assert f"`{gpu}`" in section, gpu

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from recipes import launcher, results
+from recipes import launcher, results, table_data
 from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
 
@@ -232,7 +232,7 @@ def convergence(steps, only, records_dir, out_dir, golden):
         click.echo(f"[convergence] {r.id}: {walls[r.id]:.0f} s")
     records = {
         rid: rec
-        for (rid, mode), rec in results.load_records(records_root).items()
+        for (rid, mode), rec in table_data.load_records(records_root).items()
         if mode == "proxy" and rid in {r.id for r in rows()}
     }
     for path in results.write_results(records_root, out):
