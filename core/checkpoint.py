@@ -23,8 +23,9 @@ What is saved (DCP flattens the nested keys):
     rng.rank_<R>                     torch RNG state of global rank R (restored on the same layout)
 
 The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, data loader, a
-`TrainState`) and restores them in place; folder and file checks and the single-process tools
-live in core/checkpoint_files.py.
+`TrainState`) and restores them in place; the model parts' key space and the train state live in
+core/checkpoint_state.py, folder and file checks, error messages and the single-process tools in
+core/checkpoint_files.py.
 
 CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
 `ls FOLDER`.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import errno
 import json
 import os
 import shutil
@@ -49,13 +49,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -68,7 +61,6 @@ from core.checkpoint_files import (
     CheckpointError,
     CheckpointException,
     _cause,
-    _errno,
     check_files,
     check_shapes,
     complete_steps,
@@ -79,77 +71,17 @@ from core.checkpoint_files import (
     read_info,
     read_metadata,
     resolve,
+    save_error,
     verify_before_load,
     write_manifest,
 )
+from core.checkpoint_state import ModelParts
 from core.config import JobConfig
 from core.models.args import ModelArgs
 from core.noise import quiet_library_warnings
 
 
-# ------------------------------------------------------------- model parts <-> one key space
-def _strip_model(key: str) -> str:
-    return key.split(".", 1)[1]  # "<part>.<fqn>" -> "<fqn>"
-
-
-def _strip_optim(key: str) -> str:
-    kind, _, rest = key.split(".", 2)  # "state.<part>.<fqn>.<name>" -> "state.<fqn>.<name>"
-    return f"{kind}.{rest}"
-
-
-class _Parts:
-    """The model parts of this rank (one, or several pipeline stages) under one optimizer.
-
-    get_state_dict needs a module holding every parameter of the optimizer: a ModuleList of the
-    parts, whose index prefix is stripped so that keys are the whole model's FQNs on every
-    layout (pipeline splitting keeps FQNs)."""
-
-    OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model_parts: list[nn.Module], optimizer):
-        self.wrap = nn.ModuleList(model_parts)
-        self.optimizer = optimizer
-
-    def model_state(self) -> tuple[dict, dict]:
-        sd = get_model_state_dict(self.wrap)
-        names = {_strip_model(k): k for k in sd}
-        return {n: sd[k] for n, k in names.items()}, names
-
-    def full_state(self) -> tuple[dict, dict, dict, dict]:
-        msd, osd = get_state_dict(self.wrap, self.optimizer, options=self.OPTS)
-        mnames = {_strip_model(k): k for k in msd}
-        onames = {_strip_optim(k): k for k in osd}
-        if len(mnames) != len(msd) or len(onames) != len(osd):
-            raise RuntimeError("two model parts share a parameter name")
-        return ({n: msd[k] for n, k in mnames.items()}, mnames, {n: osd[k] for n, k in onames.items()}, onames)
-
-    def set_model(self, model: dict, names: dict) -> None:
-        set_model_state_dict(self.wrap, {names[n]: v for n, v in model.items()})
-
-    def set_full(self, model: dict, mnames: dict, optim: dict, onames: dict) -> None:
-        set_state_dict(
-            self.wrap,
-            self.optimizer,
-            model_state_dict={mnames[n]: v for n, v in model.items()},
-            optim_state_dict={onames[n]: v for n, v in optim.items()},
-            options=self.OPTS,
-        )
-
-
 # ------------------------------------------------------------------------------- checkpointer
-class TrainState(Stateful):
-    """What the training loop carries across a restart besides the objects it checkpoints."""
-
-    def __init__(self, step: int = 0):
-        self.step = step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-
-
 class Checkpointer:
     """Owns `<output_dir>/<checkpoint.folder>` for one run: saves and restores the objects it is
     given (this rank's model parts, the optimizer, the LR scheduler, the data loader, the train
@@ -189,7 +121,7 @@ class Checkpointer:
         self.interval = c.interval
         self.keep_latest_k = c.keep_latest_k
         self.async_mode = c.async_mode
-        self.parts = _Parts(model_parts, optimizer)
+        self.parts = ModelParts(model_parts, optimizer)
         self.lr_scheduler, self.dataloader, self.train_state = lr_scheduler, dataloader, train_state
         self.dp_rank, self.dp_degree, self.model_args = dp_rank, dp_degree, model_args
         self.pending: dict | None = None  # the async save in flight
@@ -483,20 +415,10 @@ class Checkpointer:
         and raise one CheckpointError naming the folder, the cause and, for a full disk, the space."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        latest = complete_steps(self.folder)
-        kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
-        cause, free = _cause(e), shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
         need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
             p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters()
         )
-        if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
-            cause = (
-                f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
-                f"{free / 2**20:.1f} MiB free on {self.folder} ({cause})"
-            )
-        raise CheckpointError(
-            f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, {kept}"
-        ) from None
+        raise save_error(self.folder, tmp, step, what, e, need) from None
 
     def _purge(self) -> None:
         """keep_latest_k: drop the oldest complete checkpoints (the step-0 seed is kept)."""

@@ -6,6 +6,7 @@ export / import). The Checkpointer (core/checkpoint.py) writes and loads through
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -59,6 +60,21 @@ def _cause(e: BaseException) -> str:
     ranks = f" (ranks {sorted(e.failures)})" if isinstance(e, CheckpointException) else ""
     first = str(c).splitlines()[0] if str(c) else ""
     return f"{type(c).__name__}: {first}{ranks}"
+
+
+def save_error(folder: Path, tmp: Path, step: int, what: str, e: BaseException, need: int) -> CheckpointError:
+    """The one error of a failed save into `tmp` (removed by the caller): the cause and, for a full
+    disk, the space a checkpoint needs (`need` bytes) and what is free; names the latest complete
+    checkpoint of `folder`, which is kept."""
+    latest = complete_steps(folder)
+    kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
+    cause, free = _cause(e), shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
+        cause = (
+            f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB free on {folder} ({cause})"
+        )
+    return CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, {kept}")
 
 
 # ------------------------------------------------------------------------------------ folders

@@ -149,3 +149,23 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """metrics.jsonl keeps the steps up to `last_step` (a resumed run writes the later ones
+    again): the lines of later steps move to metrics.replaced.jsonl (nothing is lost), atomically."""
+    if not path.is_file():
+        return
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            (keep if json.loads(line).get("step", 0) <= last_step else moved).append(line)
+        except (json.JSONDecodeError, AttributeError):
+            moved.append(line)  # a torn last line of a killed run
+    if not moved:
+        return
+    with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+        f.write("".join(m + "\n" for m in moved))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    tmp.replace(path)

@@ -1,20 +1,16 @@
 """The one training loop, the same for every layout.
 
 Launch: `torchrun --nproc_per_node N -m core.train --config job.toml [--section.key=value ...]`
-(or `python -m core.train ...` for one process). Rank 0 writes `result.json` (the result record)
-and `metrics.jsonl` in `job.output_dir`.
+(or `python -m core.train ...` for one process). Rank 0 writes `result.json` (the result record,
+core/result.py) and `metrics.jsonl` in `job.output_dir`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
-import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,25 +20,33 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from core.build import build_model, schedule_stages
-from core.checkpoint import Checkpointer, TrainState
+from core.checkpoint import Checkpointer
 from core.checkpoint_files import CheckpointError
-from core.config import ConfigError, JobConfig, load_config, save_config
+from core.checkpoint_state import TrainState
+from core.config import ConfigError, JobConfig, load_config
 from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
-from core.metrics import MetricsLogger, PeakMemory, cpu_peak_flops, device_info, flops_per_token, peak_memory_gib
-from core.models.args import model_args, shape_record
+from core.metrics import (
+    MetricsLogger,
+    PeakMemory,
+    cpu_peak_flops,
+    device_info,
+    flops_per_token,
+    peak_memory_gib,
+    trim_metrics,
+)
+from core.models.args import model_args
 from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
-from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
+from core.result import result_record, write_result
 from core.toggles.float8 import post_optimizer_hook
 from core.validate import validate
 
@@ -75,28 +79,6 @@ def init_distributed(cfg: JobConfig) -> None:
         dist.init_process_group(backend, timeout=timeout)
     else:  # a single process without a launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
-def versions() -> dict:
-    out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
-    try:  # the installed version, without importing torchao (only Float8 runs import it)
-        out["torchao"] = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    return out
 
 
 class TrainStep:
@@ -203,35 +185,6 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.train_state.step
-
-    def _local_state_bytes(self) -> dict:
-        """Bytes this rank holds of parameters and optimizer state (its shards only)."""
-        params = sum(_local_bytes(p) for m in self.model_parts for p in m.parameters())
-        optim = sum(
-            _local_bytes(v)
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        )
-        return {"params": params, "optimizer": optim}
-
-    def _pp_record(self) -> dict:
-        """The schedule's ideal bubble (from its own action table; hardware independent)."""
-        if self.pp_schedule is None:
-            return {}
-        p = self.cfg.parallelism
-        spr, micro = len(self.step_fn.stages), self.pp_schedule._n_microbatches
-        out = {
-            "pp_schedule": p.pp_schedule,
-            "pp_microbatches": micro,
-            "pp_stages_per_rank": spr,
-            "pp_bubble_costs": DEFAULT_COSTS,
-        }
-        try:
-            out["pp_bubble_fraction"] = bubble_fraction(p.pp_schedule, self.dims.pp, micro, spr)
-        except (RuntimeError, ValueError, AssertionError) as e:  # never lose the run's record to it
-            out["pp_bubble_fraction"], out["pp_bubble_error"] = None, str(e).splitlines()[0]
-        return out
 
     def train_step(self, batches) -> tuple[float, float]:
         self.optimizer.zero_grad()
@@ -372,96 +325,7 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.close()
         logger.close()
-        return self._record(losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak)
-
-    def _record(self, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak) -> dict:
-        # Steady state: the first step pays for lazy init and compilation.
-        steady = step_times[1:] or step_times
-        mean_step = sum(steady) / len(steady) if steady else float("nan")
-        tps = tokens_per_step / self.world_size / mean_step
-        mem = [None] * self.world_size
-        dist.all_gather_object(mem, peak_memory_gib())
-        first_mem = [None] * self.world_size
-        memory = getattr(self, "memory", None)
-        dist.all_gather_object(first_mem, memory.first_step if memory else None)
-        data_times = getattr(self, "data_times", [])
-        steady_data = data_times[1:] or data_times
-        state_bytes = [None] * self.world_size
-        dist.all_gather_object(state_bytes, self._local_state_bytes())
-        info = device_info()
-        return {
-            "recipe": self.cfg.job.recipe,
-            "mode": self.cfg.job.mode,
-            "config": self.cfg.to_dict(),
-            "versions": versions(),
-            "hardware": {
-                "device": info["device"],
-                "world_size": self.world_size,
-                "peak_flops": peak,
-                "peak_source": info["peak_source"],
-            },
-            "world_size": self.world_size,
-            "model": {
-                "flavor": self.cfg.model.flavor,
-                "params": sum(p.numel() for m in self.model_parts for p in m.parameters())
-                if self.dims.pp == 1
-                else None,
-                **shape_record(self.model_args),
-            },  # the resolved shape: flavor + model.* overrides
-            "toggles_applied": self.toggles.applied,
-            "toggles_skipped": self.toggles.skipped,
-            **self._pp_record(),
-            "steps": len(losses),
-            "skipped_nonfinite_steps": list(self.skipped_steps),
-            "skipped_bad_documents": getattr(self.dataloader, "bad_documents", []),
-            "start_step": getattr(self, "start_step", 0),  # losses are of steps start_step+1..
-            "losses": losses,
-            "grad_norms": grad_norms,
-            "step_times_s": step_times,  # whole iterations: data + forward/backward + optimizer
-            "data_times_s": data_times,
-            "data_time_s": sum(steady_data) / len(steady_data) if steady_data else None,
-            "tokens_per_sec_per_device": tps,
-            "flops_per_token": fpt,
-            "tflops_per_device": fpt * tps / 1e12,
-            "mfu": fpt * tps / peak,
-            "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
-            "peak_memory_gib": max(mem),  # steady state: the peak is reset after the first step
-            "peak_memory_gib_per_rank": mem,
-            "first_step_peak_memory_gib": max((m for m in first_mem if m is not None), default=None),
-            "first_step_peak_memory_gib_per_rank": first_mem,
-            "memory_kind": "cuda max reserved, reset after step 1"
-            if self.device.type == "cuda"
-            else "cpu peak RSS (cannot be reset: includes step 1)",
-            "param_bytes_per_rank": [b["params"] for b in state_bytes],
-            "optimizer_bytes_per_rank": [b["optimizer"] for b in state_bytes],
-            "wall_s": wall,
-            "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-
-
-def trim_metrics(path: Path, last_step: int) -> None:
-    """metrics.jsonl keeps the steps up to `last_step` (a resumed run writes the later ones
-    again): the lines of later steps move to metrics.replaced.jsonl (nothing is lost), atomically."""
-    if not path.is_file():
-        return
-    keep, moved = [], []
-    for line in path.read_text().splitlines():
-        try:
-            (keep if json.loads(line).get("step", 0) <= last_step else moved).append(line)
-        except (json.JSONDecodeError, AttributeError):
-            moved.append(line)  # a torn last line of a killed run
-    if not moved:
-        return
-    with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
-        f.write("".join(m + "\n" for m in moved))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    tmp.replace(path)
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
+        return result_record(self, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak)
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -501,12 +365,7 @@ def run(cfg: JobConfig) -> dict:
         "other": time.perf_counter() - t0 - t_init - sum(steps),
     }
     if trainer.rank == 0:
-        out = Path(cfg.job.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f"result.json.{os.getpid()}.tmp"  # unique: a reader sees the old record or the new
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(out / "result.json")
-        save_config(cfg, out / "config.json")
+        write_result(cfg, record)
     return record
 
 
