@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from core.config import ConfigError, load_config
+from core.dryrun import activations as A
 from core.dryrun import fake_step as F
 from core.dryrun import memory as M
 from core.dryrun import record as R
@@ -175,8 +176,8 @@ def test_last_stage_keeps_every_microbatch_output():
     backward, holding all of them next to its receive buffers."""
     cfg = paper_cfg("llama3_405b/table3/512gpu_3d_1f1b")
     est = M.estimate_memory(cfg)
-    s, n = M.shapes(cfg), M.microbatches(cfg)
-    logits = s.tokens * s.vocab * M.MODEL_LOGITS_BYTES
+    s, n = A.shapes(cfg), A.microbatches(cfg)
+    logits = s.tokens * s.vocab * A.MODEL_LOGITS_BYTES
     recv = n * s.tokens * s.sp * s.act * s.d  # one activation receive buffer per microbatch
     assert est["worst_pp_rank"] == 7 and est["peak_at"].endswith("loss")
     assert est["breakdown"]["pp_buffers"] == pytest.approx((n * logits + recv) / M.GIB, abs=2e-3)
@@ -191,7 +192,7 @@ def test_model_returns_the_logits_the_accounting_holds():
     from core.models.llama3 import build_model
 
     out = build_model("tiny4", device="cpu", max_seq_len=8)(torch.zeros(1, 8, dtype=torch.long))
-    assert out.element_size() == M.MODEL_LOGITS_BYTES
+    assert out.element_size() == A.MODEL_LOGITS_BYTES
 
 
 def test_every_real_row_fits_its_gpu():
@@ -291,13 +292,13 @@ def test_loss_memory_matches_torch_on_real_tensors(tp):
         "training.local_batch_size=1",
         world=tp,
     )
-    hm = M.head_memory(cfg)
+    hm = A.head_memory(cfg)
     F.init_fake_process_group(tp)
     try:
         mesh = init_device_mesh("cpu", (tp,))
         w = torch.randn(T, V // tp, dtype=torch.bfloat16, requires_grad=True)
         y = torch.randint(0, V, (1, T))
-        logit_bytes = M.MODEL_LOGITS_BYTES * T * V // tp  # the logits of this rank as the model returns them
+        logit_bytes = A.MODEL_LOGITS_BYTES * T * V // tp  # the logits of this rank as the model returns them
         with MemTracker() as mt:
             logits = (w * 1).float().view(1, T, V // tp)  # bf16 projection output -> fp32, as the model
             zero = _total(mt, "current") - logit_bytes  # before the logits existed

@@ -156,7 +156,10 @@ def test_no_module_over_500_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-@pytest.mark.parametrize("module", ["core.dryrun.memory", "core.config", "core.parallel.stages", "core.models.args"])
+@pytest.mark.parametrize(
+    "module",
+    ["core.dryrun.memory", "core.dryrun.activations", "core.config", "core.parallel.stages", "core.models.args"],
+)
 def test_torch_free_modules_load_without_torch(module):
     code = f"import sys, {module}; bad = [m for m in sys.modules if m.split('.')[0] == 'torch']; print(len(bad))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 
+from core.dryrun import activations as A
 from core.dryrun import memory as M
 from core.dryrun.comms import mesh_links
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
@@ -51,7 +52,7 @@ def _order(schedule: str, pp: int, n_micro: int, spr: int):
 # =============================================================================================
 # One block, one microbatch, one rank
 # =============================================================================================
-def block_flops(s: M.Shapes, seq_len: int) -> dict:
+def block_flops(s: A.Shapes, seq_len: int) -> dict:
     """Forward FLOPs of one block: matmuls (local widths, all T tokens of the rank: SP gathers
     them), attention as flash runs it (causal: half the score matrix; CP ranks hold 1/cp of the
     queries against the whole sequence) and as torch's FLOP counter counts SDPA (dense)."""
@@ -65,18 +66,18 @@ def analytic_flops(cfg) -> dict:
     """Matmul + attention FLOPs of one training step on one rank without PP and without AC, as
     torch.utils.flop_counter counts them (dense SDPA; matmul backward 2 x forward, SDPA backward
     2.5 x: it recomputes the scores): the check against the fake step's count."""
-    s = M.shapes(cfg)
+    s = A.shapes(cfg)
     a = _args(cfg)
     L, seq = a.n_layers, cfg.training.seq_len
     blk = block_flops(s, seq)
     head = 2 * s.tokens * s.d * (a.vocab_size // s.tp)
-    n = M.microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
+    n = A.microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
     mm = 3 * (L * blk["matmul"] + head) * n
     attn = (1 + FLASH_BWD_OVER_FWD) * L * blk["attention_dense"] * n
     return {"total": mm + attn, "matmul": mm, "attention": attn}
 
 
-def _pointwise_bytes(s: M.Shapes, compiled: bool, float8: bool) -> float:
+def _pointwise_bytes(s: A.Shapes, compiled: bool, float8: bool) -> float:
     """HBM bytes of one block's forward outside the matmuls and SDPA.
 
     Eager, per core/models/llama3.py: RMSNorm upcasts, squares, averages, scales, casts back and
@@ -101,7 +102,7 @@ def _pointwise_bytes(s: M.Shapes, compiled: bool, float8: bool) -> float:
     return b
 
 
-def _float8_bwd_bytes(s: M.Shapes, compiled: bool) -> float:
+def _float8_bwd_bytes(s: A.Shapes, compiled: bool) -> float:
     """Backward casts of Float8 linears: each output gradient's amax, cast and transposed copy
     (6 bytes per element) and the saved fp8 inputs' transposes for the weight gradients (2)."""
     T = s.tokens
@@ -120,7 +121,7 @@ class _Rates:
         self.hbm = spec.hbm_bandwidth * spec.hbm
 
 
-def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
+def block_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict) -> dict:
     """Seconds of one block for one microbatch: forward, recompute, backward, each split into
     compute / memory_bound / exposed tp / exposed cp, and the FSDP traffic of the block."""
     r = _Rates(spec)
@@ -194,7 +195,7 @@ def block_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict) -> dict:
     return {"fwd": fwd, "bwd": bwd, "recompute": rec}
 
 
-def head_times(cfg, s: M.Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
+def head_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
     forward and backward seconds, and the exposed TP part (all-gather of the normed input,
     loss parallel's two scalar-per-token all-reduces)."""
@@ -360,7 +361,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     p, t = cfg.parallelism, cfg.training
     dims = ParallelDims.from_config(p)
     a = _args(cfg)
-    s = M.shapes(cfg)
+    s = A.shapes(cfg)
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
     links = mesh_links(spec, sizes, fsdp_dims)
@@ -406,7 +407,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     else:
         from core.parallel.stages import stages_per_rank
 
-        n_micro = M.microbatches(cfg)
+        n_micro = A.microbatches(cfg)
         table = _order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, a.n_layers))
         sps = {
             sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
