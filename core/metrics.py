@@ -80,10 +80,22 @@ def device_info() -> dict:
         name = torch.cuda.get_device_name()
         return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
     return {
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": f"cpu ({cpu_model()}, {os.cpu_count()} cores)",
         "peak_flops": None,
         "peak_source": "measured bf16 matmul",
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AMX (bf16 matmul speed differs several-fold between
+    machines with and without it, so a CPU figure names its CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    amx = "amx_bf16" in info
+    return f"{name or platform.machine()}, {'AMX' if amx else 'no AMX'}"
 
 
 def peak_memory_gib() -> float:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from core.config import load_config
+from core.metrics import cpu_model, device_info
 from core.models.args import model_args, param_count, shape_record
 from core.models.hf_convert import from_hf_state_dict, hf_config, load_hf, save_hf, to_hf_state_dict
 from core.models.llama3 import FLAVORS, ModelArgs, Transformer, build_model, count_params, precompute_freqs_cis
@@ -238,3 +239,12 @@ def test_dtype_cast_of_rope_buffer_is_caught():
         model.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="freqs_cis"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_cpu_figures_name_their_cpu():
+    """A CPU record says which CPU made it: model name and AMX (bf16 matmuls differ several-fold)."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA: on a GPU the record names the GPU")
+    model = cpu_model()
+    assert model.endswith((", AMX", ", no AMX")) and len(model) > len(", no AMX")
+    assert device_info()["device"].startswith(f"cpu ({model}, ")
