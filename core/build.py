@@ -15,6 +15,7 @@ Two ways to initialise (`model.init_device`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Callable
 
@@ -39,6 +40,13 @@ def init_model(args: ModelArgs, meta: bool = False) -> Transformer:
     model = Transformer(args)
     model.init_weights()
     return model
+
+
+def with_attention_dtype(args: ModelArgs, cfg: JobConfig, device: torch.device) -> ModelArgs:
+    """The args with `model.attention_dtype` resolved for this device (auto: float32 on CPU)."""
+    choice = cfg.model.attention_dtype
+    fp32 = choice == "float32" or (choice == "auto" and device.type == "cpu")
+    return dataclasses.replace(args, attention_fp32=fp32)
 
 
 def meta_init(cfg: JobConfig, device: torch.device) -> bool:
@@ -102,7 +110,7 @@ def build_model(
     fake storage itself). What was applied or skipped is recorded in `toggles`.
     """
     meta = meta_init(cfg, device) or not materialize
-    model = init_model(args, meta=meta)
+    model = init_model(with_attention_dtype(args, cfg, device), meta=meta)
     schedule = None
     if dims.pp > 1:
         schedule, parts = build_pipeline(model, mesh, dims, cfg, device, loss_fn, toggles, parallelize)

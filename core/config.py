@@ -80,6 +80,13 @@ class Model:
         default="default", metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"}
     )
     init_device: Literal["auto", "meta"] = field(default="auto", metadata={"doc": "meta: CUDA's meta init on CPU too"})
+    attention_dtype: Literal["auto", "compute", "float32"] = field(
+        default="auto",
+        metadata={
+            "doc": "dtype attention runs in: compute (bf16 under bf16 training) | float32; auto: float32 on CPU, "
+            "whose bf16 flash-attention backward is ~2x slower than fp32's, else compute"
+        },
+    )
 
 
 @dataclass
@@ -127,6 +134,10 @@ class Optimizer:
     beta1: float = field(default=0.9, metadata={"doc": "Adam beta1"})
     beta2: float = field(default=0.95, metadata={"doc": "Adam beta2"})
     weight_decay: float = field(default=0.1, metadata={"doc": "decoupled weight decay"})
+    implementation: Literal["fused", "foreach", "for-loop"] = field(
+        default="fused",
+        metadata={"doc": "Adam(W) kernels: fused (one kernel per step; ~4x faster than foreach on CPU) | foreach"},
+    )
 
 
 @dataclass

@@ -18,8 +18,11 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim
     if o.name == "SGD":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-    # foreach: one fused kernel launch over all (D)Tensors of a step.
-    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True)
+    # fused: one kernel for the whole update (CPU and CUDA); foreach: a few per op over all tensors
+    kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    return cls(
+        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **kernels[o.implementation]
+    )
 
 
 def lr_factor(step: int, warmup: int, total: int, decay: str, min_factor: float) -> float:

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from core.build import init_model
+from core.build import init_model, with_attention_dtype
 from core.config import JobConfig
 from core.data.datasets import build_dataloader
 from core.data.tokenizer import Tokenizer
@@ -39,7 +39,9 @@ def reference_run(
     tokenizer = None
     if cfg.data.dataset != "synthetic":
         tokenizer = Tokenizer(cfg.tokenizer.path)
-    args = model_args(cfg, tokenizer.n_words if tokenizer else vocab_size)
+    args = with_attention_dtype(
+        model_args(cfg, tokenizer.n_words if tokenizer else vocab_size), cfg, torch.device("cpu")
+    )
     model = init_model(args)  # on CPU from the seed: the weights every layout starts from
     if batches is None:
         batches = build_dataloader(

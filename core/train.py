@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core.build import build_model, schedule_stages
+from core.build import build_model, schedule_stages, with_attention_dtype
 from core.checkpoint import Checkpointer
 from core.checkpoint_files import CheckpointError
 from core.checkpoint_state import TrainState
@@ -149,7 +149,9 @@ class Trainer:
         self.tokenizer = None
         if cfg.data.dataset != "synthetic":
             self.tokenizer = Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
-        self.model_args = model_args(cfg, self.tokenizer.n_words if self.tokenizer else None)
+        self.model_args = with_attention_dtype(
+            model_args(cfg, self.tokenizer.n_words if self.tokenizer else None), cfg, self.device
+        )
 
         self.model_parts, self.pp_schedule = build_model(
             self.model_args, cfg, self.mesh, self.dims, self.device, self.toggles, pipeline_loss(cfg)

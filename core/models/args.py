@@ -42,6 +42,7 @@ class ModelArgs:
     rope_original_max_seq_len: int = 8192  # the scaling's "original context length"
     max_seq_len: int = 8192  # rows of freqs_cis; at least the training sequence length
     depth_init: bool = True  # output-projection init std shrinks with the layer's depth
+    attention_fp32: bool = False  # attention in float32 whatever the activations' dtype
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -208,6 +209,7 @@ def shape_record(args: ModelArgs) -> dict:
     return {
         "dim": args.dim,
         "n_layers": args.n_layers,
+        "attention_dtype": "float32" if args.attention_fp32 else "compute",
         "n_heads": args.n_heads,
         "n_kv_heads": args.n_kv_heads,
         "vocab_size": args.vocab_size,
