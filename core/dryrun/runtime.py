@@ -14,7 +14,8 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
 - communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
   on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
   reduce-scatter around the block's matmuls (AsyncTP hides them behind those matmuls), loss
-  parallel's all-reduces, CP's key/value exchange (behind ring attention's steps), PP send/recv,
+  parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
+  and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
 - pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
 """
