@@ -14,7 +14,8 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
 - communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
   on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
   reduce-scatter around the block's matmuls (AsyncTP hides them behind those matmuls), loss
-  parallel's all-reduces, CP's key/value exchange (behind ring attention's steps), PP send/recv,
+  parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
+  and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
 - pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
 """
@@ -25,6 +26,7 @@ import functools
 
 from core.dryrun import activations as A
 from core.dryrun import memory as M
+from core.dryrun import ring
 from core.dryrun.comms import mesh_links
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
 
@@ -140,29 +142,15 @@ def block_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict) -> dict:
         (3 if compiled else 2) * _pointwise_bytes(s, compiled, False) + (_float8_bwd_bytes(s, compiled) if f8 else 0)
     ) / r.hbm
     T, d = s.tokens, s.d
-    # CP ring attention (torch's _context_parallel/_attention.py): the local k and v reach the
-    # other ranks by one all-gather issued before step 0 and awaited at step 1 ("allgather": it
-    # hides behind step 0's attention, 1/cp of it), or by a send/recv per step ("alltoall": each
-    # behind that step's attention). Backward fetches k and v again the same way and passes the
-    # fp32 k/v gradients around the ring one step at a time.
+    # CP: ring attention as torch runs it (core/dryrun/ring.py): the k/v and dk/dv exchanges
+    # nothing hides, and the eager fp32 merge / accumulation glue around the per-step SDPA calls.
     cp_f = cp_b = 0.0
     if s.cp > 1:
-        chunk = 2 * T * s.kv  # elements of this rank's k and v
-        lk, steps = links["cp"], s.cp - 1
-        if p.cp_rotate_method == "allgather":
-            kv_f = max(0.0, lk.ring(2 * chunk * s.cp) - attn_f / s.cp)
-            kv_b = max(0.0, lk.ring(2 * chunk * s.cp) - attn_b / s.cp)
-        else:
-            kv_f = steps * max(0.0, lk.p2p(2 * chunk) - attn_f / s.cp)
-            kv_b = steps * max(0.0, lk.p2p(2 * chunk) - attn_b / s.cp)
-        cp_f = kv_f
-        # the gradients' last hop follows the last step: nothing left to hide it
-        cp_b = kv_b + lk.p2p(4 * chunk) + (steps - 1) * max(0.0, lk.p2p(4 * chunk) - attn_b / s.cp)
-        # torch's ring attention (_context_parallel/_attention.py) merges each step's partial
-        # output eagerly in fp32: convert (6 bytes per output element), out - block_out (10),
-        # x sigmoid (8), out - (12); backward accumulates dq (12) and the rotating dk, dv (20 each).
-        pw_f += (s.cp - 1) * 36 * T * s.q / r.hbm
-        pw_b += (s.cp - 1) * (12 * T * s.q + 40 * T * s.kv) / r.hbm
+        n = T * s.q  # elements of the local q, and of k and v after repeat_kv
+        cp_f, cp_b = ring.exposed_comm(n, s.cp, p.cp_rotate_method, links["cp"], attn_f, attn_b)
+        glue_f, glue_b = ring.glue_bytes(s.cp)
+        pw_f += glue_f * n / r.hbm
+        pw_b += glue_b * n / r.hbm
     # TP/SP: all-gather before attention and FFN (fp8 with float8 TP styles), reduce-scatter after
     # wo and w2; backward the reverse on bf16 gradients.
     tp_f = tp_b = 0.0
