@@ -60,7 +60,14 @@ def op_sac_policy(save_every_other_mm: bool = False):
 
 def _op_context_fn(save_every_other_mm: bool = False):
     # A fresh policy (and mm counter) per checkpointed call: forward and recompute must agree.
-    return lambda: create_selective_checkpoint_contexts(op_sac_policy(save_every_other_mm))
+    def context_fn():
+        return create_selective_checkpoint_contexts(op_sac_policy(save_every_other_mm))
+
+    # A stable name of the policy lets AOTAutograd's cache serve compiled blocks across processes
+    # (without it every rank of every run compiles afresh); it changes whenever SAVE_OPS does.
+    saved = ",".join(sorted(str(op) for op in SAVE_OPS))
+    context_fn.cache_hash = f"titan-op-sac:{saved}:every_other_mm={save_every_other_mm}"
+    return context_fn
 
 
 def _blocks(model: nn.Module):
