@@ -21,7 +21,12 @@ from core.optim import lr_factor
 
 
 def reference_run(
-    cfg: JobConfig, vocab_size: int | None = None, steps: int | None = None, batches=None, bf16: str = "autocast"
+    cfg: JobConfig,
+    vocab_size: int | None = None,
+    steps: int | None = None,
+    batches=None,
+    bf16: str = "autocast",
+    fused_adamw: bool = False,
 ) -> dict:
     """Train cfg's model in this process on the global batch of cfg's layout.
 
@@ -30,6 +35,7 @@ def reference_run(
     `bf16` (when training.mixed_precision_param is bfloat16): "autocast" as the trainer runs
     without FSDP, or "params" as FSDP2's mixed precision does (forward and backward with bf16
     copies of the fp32 parameters, fp32 gradients and update).
+    `fused_adamw`: the fused AdamW kernel instead of the multi-tensor (foreach) one.
     Returns {"losses", "step_times_s", "grad_norms" (before clipping), "tokens_per_step"}.
     """
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
@@ -48,7 +54,12 @@ def reference_run(
             cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size, local_batch_size=t.local_batch_size * dp
         )
     opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **({"fused": True} if fused_adamw else {"foreach": True}),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor)
