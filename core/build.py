@@ -43,7 +43,9 @@ def init_model(args: ModelArgs, meta: bool = False) -> Transformer:
 
 
 def with_attention_dtype(args: ModelArgs, cfg: JobConfig, device: torch.device) -> ModelArgs:
-    """The args with `model.attention_dtype` resolved for this device (auto: float32 on CPU)."""
+    """The args with `model.attention_dtype` resolved for the device that trains (auto: float32 on
+    CPU). Callers that train resolve it (trainer, reference loop); the dry-run's fake step, which
+    stands for a GPU step, builds with the args as they are (the compute dtype)."""
     choice = cfg.model.attention_dtype
     fp32 = choice == "float32" or (choice == "auto" and device.type == "cpu")
     return dataclasses.replace(args, attention_fp32=fp32)
@@ -110,7 +112,7 @@ def build_model(
     fake storage itself). What was applied or skipped is recorded in `toggles`.
     """
     meta = meta_init(cfg, device) or not materialize
-    model = init_model(with_attention_dtype(args, cfg, device), meta=meta)
+    model = init_model(args, meta=meta)
     schedule = None
     if dims.pp > 1:
         schedule, parts = build_pipeline(model, mesh, dims, cfg, device, loss_fn, toggles, parallelize)

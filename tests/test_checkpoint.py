@@ -21,7 +21,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 from core.checkpoint import main as ckpt_main
 from core.checkpoint_files import CheckpointError, complete_steps, import_hf, load_model_weights, read_metadata, resolve
@@ -40,16 +39,6 @@ CKPT = ["--checkpoint.enabled=true"]
 
 
 # --------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def pg():
-    """A world-1 gloo group for in-process Trainer runs (left as found)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def _cfg(out: Path, *overrides: str):

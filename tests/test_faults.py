@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem
 
 from core.checkpoint_files import CheckpointError, complete_steps, load_model_weights
@@ -42,14 +41,6 @@ NAN = [*CKPT, "--checkpoint.interval=1", "--optimizer.lr=1e6", "--lr_scheduler.w
 
 
 # --------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def pg():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def train(out: Path, *overrides: str) -> dict:

@@ -31,16 +31,6 @@ pytestmark = pytest.mark.checkpoint
 
 
 # --------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def pg():
-    """A world-1 gloo group for in-process Trainer runs (left as found)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 def _cfg(out: Path, *overrides: str):

@@ -248,3 +248,32 @@ def test_cpu_figures_name_their_cpu():
     model = cpu_model()
     assert model.endswith((", AMX", ", no AMX")) and len(model) > len(", no AMX")
     assert device_info()["device"].startswith(f"cpu ({model}, ")
+
+
+def test_attention_dtype_resolves_per_device_and_keeps_the_output():
+    """auto: fp32 attention on CPU only; the fp32 kernel under bf16 autocast returns bf16 and
+    agrees with the bf16 kernel to bf16 rounding."""
+    from core.build import with_attention_dtype
+
+    cfg = load_config(None, ["model.flavor=tiny"])
+    args = model_args(cfg, 1000)
+    assert with_attention_dtype(args, cfg, torch.device("cpu")).attention_fp32
+    assert not with_attention_dtype(args, cfg, torch.device("meta")).attention_fp32
+    forced = load_config(None, ["model.flavor=tiny", "model.attention_dtype=float32"])
+    assert with_attention_dtype(args, forced, torch.device("meta")).attention_fp32
+    compute = load_config(None, ["model.flavor=tiny", "model.attention_dtype=compute"])
+    assert not with_attention_dtype(args, compute, torch.device("cpu")).attention_fp32
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(args, max_seq_len=64))
+    model.init_weights()
+    tokens = torch.randint(0, 1000, (2, 64))
+    outs = {}
+    for fp32 in (False, True):
+        for block in model.layers.values():
+            block.attention.inner_attention.fp32 = fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[fp32] = model(tokens)
+    assert outs[True].dtype == torch.float32  # the model's logits are fp32 either way
+    assert not torch.equal(outs[True], outs[False])  # a different kernel ran
+    assert (outs[True] - outs[False]).abs().max() < 0.05 * outs[False].abs().max()

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-import torch.distributed as dist
 
 from core import debug, metrics
 from core.config import ConfigError, load_config
@@ -29,17 +28,6 @@ from tests.dist_utils import TINY_JOB
 
 pytestmark = pytest.mark.realpath
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def pg():
-    """A world-1 gloo group for in-process runs (left as found)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------- defect 1: init

@@ -114,8 +114,6 @@ def fake_step(cfg, track: bool | None = None, pp_rank: int = 0, isolate: bool = 
     if cfg.compile.enabled:
         cfg.compile.enabled = False  # inductor cannot compile fake tensors on a fake group
         modelled["compile"] = "not run under FakeTensorMode; its effect on activations is in the accounting"
-    if cfg.model.attention_dtype == "auto":
-        cfg.model.attention_dtype = "compute"  # the GPU's choice: the fake step stands for a GPU step
     dims = ParallelDims.from_config(cfg.parallelism)
     untrackable = None
     if cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather and dims.fsdp_enabled:
