@@ -156,6 +156,12 @@ def test_compile_uses_the_project_cache_dir(monkeypatch):
     assert compile_mod.ensure_cache_dir() == str(compile_mod.DEFAULT_CACHE_DIR)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere-inductor")
     assert compile_mod.ensure_cache_dir() == "/tmp/elsewhere-inductor"  # a caller's choice is kept
+    # torch's first cache lookup (at some imports) sets its own default: that is no caller's choice
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    cache_dir()
+    assert compile_mod.ensure_cache_dir() == str(compile_mod.DEFAULT_CACHE_DIR)
 
 
 def _world2_job(dp: int):

@@ -14,6 +14,7 @@ No dropout in the model, so the RNG state need not be replayed (preserve_rng_sta
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -58,11 +59,15 @@ def op_sac_policy(save_every_other_mm: bool = False):
     return policy
 
 
-def _op_context_fn(save_every_other_mm: bool = False):
+def _op_sac_contexts(save_every_other_mm: bool = False):
     # A fresh policy (and mm counter) per checkpointed call: forward and recompute must agree.
-    def context_fn():
-        return create_selective_checkpoint_contexts(op_sac_policy(save_every_other_mm))
+    return create_selective_checkpoint_contexts(op_sac_policy(save_every_other_mm))
 
+
+def _op_context_fn(save_every_other_mm: bool = False):
+    """The block's `context_fn`: a partial of a module-level function, so inductor can pickle it
+    into its FX-graph cache key (a local closure makes every compile bypass that cache)."""
+    context_fn = functools.partial(_op_sac_contexts, save_every_other_mm)
     # A stable name of the policy lets AOTAutograd's cache serve compiled blocks across processes
     # (without it every rank of every run compiles afresh); it changes whenever SAVE_OPS does.
     saved = ",".join(sorted(str(op) for op in SAVE_OPS))

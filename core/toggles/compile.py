@@ -30,13 +30,16 @@ DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
 
 def ensure_cache_dir() -> str:
     """Point inductor's caches at the project cache dir unless TORCHINDUCTOR_CACHE_DIR is set."""
-    path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
-    os.makedirs(path, exist_ok=True)
-    # Both are on by default in recent torch; set them so an older default cannot disable reuse.
     # Imported here: inductor's config costs ~1 s to import and only compile runs need it.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None or path == default_cache_dir():  # unset, or set by torch's own first lookup
+        path = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(DEFAULT_CACHE_DIR)
+    os.makedirs(path, exist_ok=True)
+    # Both are on by default in recent torch; set them so an older default cannot disable reuse.
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     return path
