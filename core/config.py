@@ -124,6 +124,12 @@ class Training:
         default=0,
         metadata={"doc": "steps with a non-finite loss or grad norm skipped (no update) before the run stops; 0 stops"},
     )
+    gc_freq: int = field(
+        default=50,
+        metadata={
+            "doc": "Python's garbage collector runs every this many steps, not when it decides; 0: when it decides"
+        },
+    )
 
 
 @dataclass

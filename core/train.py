@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import sys
@@ -121,6 +122,25 @@ class TrainStep:
                 del logits
                 loss.backward()
         return loss.detach()
+
+
+class GCAtSteps:
+    """Python's garbage collector every `freq` steps (a young-generation pass), never mid-step:
+    an automatic collection inside a step walks the autograd graph's and the modules' objects."""
+
+    def __init__(self, freq: int):
+        self.freq, self.was_enabled = freq, gc.isenabled()
+        if freq > 0:
+            gc.disable()
+            gc.collect(1)
+
+    def step(self, step: int) -> None:
+        if self.freq > 0 and step % self.freq == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self.was_enabled:
+            gc.enable()
 
 
 class NonFiniteError(FloatingPointError):
@@ -275,52 +295,57 @@ class Trainer:
                 total=t.steps, initial=self.step, desc=cfg.job.name, unit="step", file=sys.stderr, dynamic_ncols=True
             )
         wall0 = time.perf_counter()
-        while self.step < t.steps:
-            self.train_state.step += 1
-            # the step time is the whole iteration, data included (throughput counts it); the
-            # data part is also recorded on its own
-            t0 = time.perf_counter()
-            batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
-            data_dt = time.perf_counter() - t0
-            loss, gnorm = self.train_step(batches)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if self.skipped_last_step:
-                self._nonfinite_step(loss, gnorm)
-            losses.append(loss)
-            grad_norms.append(gnorm)
-            step_times.append(dt)
-            self.data_times.append(data_dt)
-            tps = tokens_per_step / self.world_size / dt
-            if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
-                logger.log(
-                    self.step,
-                    {
-                        "loss": loss,
-                        "grad_norm": gnorm,
-                        "lr": self.lr_scheduler.get_last_lr()[0],
-                        "step_time_s": dt,
-                        "data_time_s": data_dt,
-                        "tokens_per_sec_per_device": tps,
-                        "mfu": fpt * tps / peak,
-                        "memory_gib": peak_memory_gib(),
-                    },
-                )
-            if progress:
-                progress.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
-                progress.update(1)
-            if self.checkpointer:
-                self.checkpointer.maybe_save(self.step)
-            if self.step == self.start_step + 1:
-                # first step done (lazy init, compilation, PP shape inference): its memory peak is
-                # kept apart from the steady one, and the shorter timeout applies from now on
-                self.memory.first_step_done()
-                dist.barrier()
-                set_pg_timeouts(
-                    cfg.comm.train_timeout_seconds, exclude=[self.checkpointer.pg] if self.checkpointer else []
-                )
-            maybe_pause(self.step, self.out_dir, self.rank)  # fault-injection hook (tests)
+        gc_at_steps = GCAtSteps(t.gc_freq)
+        try:
+            while self.step < t.steps:
+                self.train_state.step += 1
+                # the step time is the whole iteration, data included (throughput counts it); the
+                # data part is also recorded on its own
+                t0 = time.perf_counter()
+                batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
+                data_dt = time.perf_counter() - t0
+                loss, gnorm = self.train_step(batches)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                if self.skipped_last_step:
+                    self._nonfinite_step(loss, gnorm)
+                losses.append(loss)
+                grad_norms.append(gnorm)
+                step_times.append(dt)
+                self.data_times.append(data_dt)
+                tps = tokens_per_step / self.world_size / dt
+                if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+                    logger.log(
+                        self.step,
+                        {
+                            "loss": loss,
+                            "grad_norm": gnorm,
+                            "lr": self.lr_scheduler.get_last_lr()[0],
+                            "step_time_s": dt,
+                            "data_time_s": data_dt,
+                            "tokens_per_sec_per_device": tps,
+                            "mfu": fpt * tps / peak,
+                            "memory_gib": peak_memory_gib(),
+                        },
+                    )
+                if progress:
+                    progress.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
+                    progress.update(1)
+                if self.checkpointer:
+                    self.checkpointer.maybe_save(self.step)
+                if self.step == self.start_step + 1:
+                    # first step done (lazy init, compilation, PP shape inference): its memory peak is
+                    # kept apart from the steady one, and the shorter timeout applies from now on
+                    self.memory.first_step_done()
+                    dist.barrier()
+                    set_pg_timeouts(
+                        cfg.comm.train_timeout_seconds, exclude=[self.checkpointer.pg] if self.checkpointer else []
+                    )
+                maybe_pause(self.step, self.out_dir, self.rank)  # fault-injection hook (tests)
+                gc_at_steps.step(self.step)
+        finally:
+            gc_at_steps.close()
         wall = time.perf_counter() - wall0
         if progress:
             progress.close()

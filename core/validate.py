@@ -91,6 +91,7 @@ _RANGES = {  # key: (test, what it means); every value must also be finite
     "training.max_norm": (lambda v: True, "a number"),
     "metrics.peak_flops": (lambda v: v >= 0, ">= 0"),
     "training.skip_nonfinite_steps": (lambda v: v >= 0, ">= 0"),
+    "training.gc_freq": (lambda v: v >= 0, ">= 0"),
     "job.proxy_world_limit": (lambda v: v >= 1, ">= 1"),
 }
 

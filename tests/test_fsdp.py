@@ -64,3 +64,22 @@ def test_fused_adamw_matches_foreach(reference):
     fused = reference_run(cfg, fused_adamw=True)["losses"]
     assert max_abs_diff(fused, reference) < 1e-5, (fused, reference)
     assert fused[-1] < fused[0] - 0.05
+
+
+def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
+    import gc
+
+    from core.train import GCAtSteps
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda gen=2: calls.append(gen))
+    assert gc.isenabled()
+    g = GCAtSteps(3)
+    assert not gc.isenabled() and calls == [1]  # no automatic collection inside a step
+    for step in range(1, 8):
+        g.step(step)
+    assert calls == [1, 1, 1]  # steps 3 and 6
+    g.close()
+    assert gc.isenabled()
+    GCAtSteps(0).close()  # 0: Python's own schedule, left alone
+    assert gc.isenabled() and calls == [1, 1, 1]
