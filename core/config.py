@@ -282,6 +282,10 @@ class JobConfig:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
 
+# Rank 0 of a multi-job launch (`core.train --config A --config B`) prints this line, then the
+# job's output dir, before each job: the launcher splits the output into each job's log by it.
+JOB_MARKER = "@@titan-job"
+
 
 def field_docs() -> dict[str, str]:
     """ "section.key" -> the field's one-line doc, for every key of the config."""

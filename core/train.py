@@ -2,7 +2,9 @@
 
 Launch: `torchrun --nproc_per_node N -m core.train --config job.toml [--section.key=value ...]`
 (or `python -m core.train ...` for one process). Rank 0 writes `result.json` (the result record,
-core/result.py) and `metrics.jsonl` in `job.output_dir`.
+core/result.py) and `metrics.jsonl` in `job.output_dir`. Repeating `--config` runs several jobs
+of one world size one after another in one process group (start-up and imports paid once); rank 0
+prints `JOB_MARKER <output_dir>` before each, so a reader can split the output per job.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from core.build import build_model, schedule_stages, with_attention_dtype
 from core.checkpoint import Checkpointer
 from core.checkpoint_files import CheckpointError
 from core.checkpoint_state import TrainState
-from core.config import ConfigError, JobConfig, load_config
+from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
 from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
@@ -356,10 +358,15 @@ class Trainer:
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
+    return parse_jobs(argv)[0]
+
+
+def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
+    """One config per `--config` (the overrides apply to each); none given: the defaults."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="job config (.toml or .json)")
+    parser.add_argument("--config", action="append", help="job config (.toml or .json); repeatable")
     known, overrides = parser.parse_known_args(argv)
-    return load_config(known.config, overrides)
+    return [load_config(path, overrides) for path in (known.config or [None])]
 
 
 # Where this process's time went before the trainer (main() fills it; a grouped job has none).
@@ -400,12 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     STARTUP_S["process_start_and_imports"] = _process_age_s()
     quiet_library_warnings()
     try:
-        cfg = parse_args(argv)
-        cfg = validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
-        check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
+        world = int(os.environ.get("WORLD_SIZE", 0)) or None
+        cfgs = [validate(cfg, world) for cfg in parse_jobs(argv)]  # every job before any runs
+        for cfg in cfgs:
+            check_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
+        if any(cfg.comm != cfgs[0].comm for cfg in cfgs):
+            raise ConfigError("comm: jobs launched together share one process group: their [comm] must match")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    cfg = cfgs[0]
     if "RANK" not in os.environ and cfg.parallelism.world_size > 1:
         print(
             f"config error: parallelism: a world of {cfg.parallelism.world_size} ranks needs torchrun "
@@ -417,7 +428,15 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(cfg)
     STARTUP_S["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
-        run(cfg)
+        for i, cfg in enumerate(cfgs):
+            if len(cfgs) > 1:
+                if i:  # a later job starts clean: its own compiled graphs (served by inductor's cache)
+                    torch._dynamo.reset()
+                    STARTUP_S.clear()  # its start-up was paid by the first job
+                dist.barrier()  # the previous job's output is out before the marker
+                if dist.get_rank() == 0:
+                    print(f"{JOB_MARKER} {cfg.job.output_dir}", flush=True)
+            run(cfg)
     except (CheckpointError, NonFiniteError, BadDocumentError) as e:
         # the project's own failures: raised alike on every rank, said once, in one line
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")

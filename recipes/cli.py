@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs
 from core.validate import validate
-from recipes import hardware_check, launcher, multinode, registry
+from recipes import hardware_check, launcher, local_runs, multinode, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -428,18 +428,19 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
     if mode == "dry-run" and not launcher.dry_run_available():
         _fail("error: dry-run is not available in this build (core.dryrun is missing); use --mode proxy", EXIT_CANNOT)
 
-    # 2. run, print or write each
-    failed = []
+    # 2. run, print or write each; rows launched here run last, grouped where they can be
+    local = []
     for r, cfg, world, nnodes, run_dir in plans:
         if run_dir is None:
             run_dir = launcher.make_run_dir(r, out, several)
             _own_run_dir(locks, r, cfg, run_dir)
         job = launcher.write_job(cfg, run_dir)
-        click.echo(
-            f"== {r.id} · {mode} · world {world}"
-            + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
-            + f" · {run_dir}"
-        )
+        if mode != "proxy" and not (mode == "real" and nnodes == 1 and not slurm):  # local rows: at launch
+            click.echo(
+                f"== {r.id} · {mode} · world {world}"
+                + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
+                + f" · {run_dir}"
+            )
         if mode == "dry-run":
             try:
                 launcher.run_dry(cfg, run_dir, gpu)
@@ -462,17 +463,8 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
                 click.echo("  " + multinode.multinode_command(nnodes, nproc, job, r.fname) + "\n")
                 click.echo("or let run-recipe write an sbatch script: add --slurm")
             continue
-        cmd = launcher.local_command(world, job, max_restarts)
-        (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-        click.echo("$ " + " ".join(cmd))
-        rc = launcher.stream(cmd, launcher.launch_env(mode, world), run_dir / "train.log")
-        result = run_dir / "result.json"
-        if rc != 0 or not result.is_file():
-            click.echo(f"FAILED: {r.id} (exit {rc}); log: {run_dir / 'train.log'}", err=True)
-            failed.append(r.id)
-            continue
-        dest = launcher.copy_record(result, records, mode, r)
-        click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
+        local.append(local_runs.LocalRow(r, cfg, world, run_dir, job))
+    failed = local_runs.run_rows(local, mode, max_restarts, records)
     if failed:
         _fail(f"{len(failed)} of {len(plans)} runs failed: {', '.join(failed)}", EXIT_FAILED)
 

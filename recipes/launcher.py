@@ -8,7 +8,6 @@ Nothing here trains: every run is `python -m torch.distributed.run ... -m core.t
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import datetime
 import importlib.util
@@ -24,6 +23,7 @@ from pathlib import Path
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
 from core.validate import validate
 from recipes.cluster_env import CUDA_ALLOC_CONF
+from recipes.output import stream
 from recipes.schema import Recipe
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -131,8 +131,13 @@ def trainer_target(config_path: Path | str | None = None, overrides: list[str] |
     return ["-m", "core.train", *(["--config", str(config_path)] if config_path else []), *overrides]
 
 
-def local_command(world: int, config_path: Path, max_restarts: int = 0) -> list[str]:
-    return torchrun_command(world, trainer_target(config_path), max_restarts=max_restarts)
+def local_command(world: int, config_paths: Path | list[Path], max_restarts: int = 0) -> list[str]:
+    """torchrun of core.train on one node; several configs run one after another in one group."""
+    paths = [config_paths] if isinstance(config_paths, (str, Path)) else config_paths
+    target = trainer_target(paths[0])
+    for path in paths[1:]:
+        target += ["--config", str(path)]
+    return torchrun_command(world, target, max_restarts=max_restarts)
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -302,6 +307,8 @@ def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""  # proxies run on CPU + gloo, whatever the node has
     if mode == "proxy" and world > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
+        # ... so inductor compiles in each rank's own process, not in a pool of workers per rank
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
@@ -340,34 +347,6 @@ def run_logged(
 
 def log_tail(log_path: Path, lines: int = 30) -> str:
     return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
-
-
-def stream(cmd: list[str], env: dict[str, str], log_path: Path, out=None) -> int:
-    """Run cmd, copying its merged stdout/stderr to `out` (default sys.stdout) and log_path as it
-    comes (chunks, so progress bars are not held back until a newline)."""
-    out = out or sys.stdout
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        try:
-            fd = proc.stdout.fileno()
-            while True:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                log.write(chunk)
-                out.write(decoder.decode(chunk))
-                out.flush()
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        finally:
-            proc.stdout.close()
 
 
 def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:

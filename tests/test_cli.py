@@ -353,3 +353,96 @@ def test_show_explains_the_keys_it_lists():
     res = invoke("show", ROW)
     assert res.exit_code == 0, res.output
     assert "meaning" in res.output and "tokens per sequence" in res.output
+
+
+@pytest.mark.slow
+def test_rows_of_one_world_size_share_one_torchrun(tmp_path):
+    """Two world-2 rows in one command: one torchrun runs both (core.train's multi-job launch),
+    each row keeps its own run dir, log and record, and the second row's losses are those of the
+    same job launched alone."""
+    other = "llama3_8b/loss_convergence/1d_fsdp8"
+    out = tmp_path / "runs"
+    shape = [
+        "--set",
+        "model.dim=64",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "model.n_heads=4",
+        "--set",
+        "model.n_kv_heads=4",
+    ]
+    args = [sys.executable, "-m", "recipes.cli", "run", other, ROW, "--set", "training.steps=3", *shape]
+    args += ["--set", "data.dataset=synthetic", "--set", "model.vocab_size=512", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum(line.startswith("$ ") for line in proc.stdout.splitlines()) == 1  # one launch
+    dirs = {rid: out / registry.get(rid).fname for rid in (other, ROW)}
+    commands = {(d / "command.txt").read_text() for d in dirs.values()}
+    assert len(commands) == 1 and commands.pop().count("--config") == 2
+    for rid, d in dirs.items():
+        rec = json.loads((d / "result.json").read_text())
+        assert rec["recipe"] == rid and len(rec["losses"]) == 3
+        log = (d / "train.log").read_text()
+        name = rec["config"]["job"]["name"]
+        others = {json.loads((o / "result.json").read_text())["config"]["job"]["name"] for o in dirs.values()} - {name}
+        assert f"{name}:" in log and not any(f"{o}:" in log for o in others), log[-2000:]  # its own progress only
+        assert "@@titan-job" not in log and "@@titan-job" not in proc.stdout
+    second = json.loads((dirs[ROW] / "result.json").read_text())
+    assert "process_start_and_imports" not in second["timings_s"]  # paid by the first row
+    alone = launcher.launch_trainer(2, [], tmp_path / "alone", config=dirs[ROW] / "job.json")
+    assert alone["losses"] == second["losses"]
+
+
+def test_job_logs_split_a_multi_job_launch_at_its_markers(tmp_path):
+    from recipes.output import JobLogs
+
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    logs = JobLogs(a, {str(tmp_path / "ja"): a, str(tmp_path / "jb"): b})
+    chunks = ["torchrun says hi\n@@titan-", f"job {tmp_path / 'ja'}\nbar 1/2\rbar 2/2", f"@@titan-job {tmp_path}/j"]
+    chunks += ["b\nsecond job\rbar", "\n"]
+    echoed = "".join(logs.write(c) for c in chunks) + logs.close()
+    assert a.read_bytes() == b"torchrun says hi\nbar 1/2\rbar 2/2\n"  # the prelude goes to the first log
+    assert b.read_bytes() == b"second job\rbar\n"
+    assert echoed == "torchrun says hi\nbar 1/2\rbar 2/2\nsecond job\rbar\n"  # markers are not echoed
+
+
+def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch):
+    """A shared launch that ends with a row's failure: the rows before it keep their records, that
+    row is reported, the rows after it run again in a new launch."""
+    from recipes import local_runs
+
+    rows = []
+    for rid in (
+        "llama3_8b/table1/8gpu_fsdp",
+        "llama3_8b/table1/8gpu_fsdp_compile",
+        "llama3_8b/loss_convergence/1d_fsdp8",
+    ):
+        r = registry.get(rid)
+        cfg = launcher.resolve_config(r, "proxy", [], check_files=False)
+        run_dir = tmp_path / r.fname
+        run_dir.mkdir()
+        cfg.job.output_dir = str(run_dir)
+        rows.append(local_runs.LocalRow(r, cfg, 2, run_dir, run_dir / "job.json"))
+    (rows[2].run_dir / "result.json").write_text("{}")  # a previous run's record: not this run's
+    time.sleep(0.05)
+    launches = []
+
+    def fake_stream(cmd, env, log, job_logs=None):
+        configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
+        launches.append(configs)
+        if len(launches) == 1:  # the first row trains, the second fails, the third never starts
+            (rows[0].run_dir / "result.json").write_text("{}")
+            return 1
+        (rows[2].run_dir / "result.json").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(local_runs, "stream", fake_stream)
+    assert [len(g) for g in local_runs.groups(rows, "proxy", 0)] == [3]
+    assert [len(g) for g in local_runs.groups(rows, "real", 0)] == [1, 1, 1]  # real rows: one launch each
+    assert [len(g) for g in local_runs.groups(rows, "proxy", 2)] == [1, 1, 1]  # a restart resumes one job
+    failed = local_runs.run_rows(rows, "proxy", 0, None)
+    assert failed == [rows[1].recipe.id]
+    assert launches == [[str(r.job) for r in rows], [str(rows[2].job)]]
+    assert all((r.run_dir / "command.txt").is_file() for r in rows)
