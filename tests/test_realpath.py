@@ -67,6 +67,14 @@ def test_mesh_subgroups_get_the_configured_timeout(pg):
     assert all(debug.pg_timeout_seconds(g) == 123 for g in groups)
 
 
+def test_mesh_hands_out_one_object_per_view(pg):
+    """Every pipeline stage gets the same tp (and dp) mesh object: compiled blocks guard on it,
+    and a second object made each stage compile its blocks again."""
+    mesh = ParallelDims(1, 1, 1, 1, 1, 1).build_mesh("cpu")
+    assert mesh["tp"] is mesh["tp"] and mesh["dp_shard_cp"] is mesh["dp_shard_cp"]
+    assert mesh.root["tp"] is not mesh.root["tp"]  # torch's own slicing: a new object each time
+
+
 def test_init_device_and_sharding_are_checked_choices():
     for key, bad in (("model.init_device", "gpu"), ("data.sharding", "everywhere")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

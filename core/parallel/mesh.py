@@ -77,9 +77,17 @@ class WorldMesh:
     def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]):
         self.root = root
         self.flat = flat
+        # One object per view: torch builds a new DeviceMesh per slice, and compiled blocks guard
+        # on the mesh object, so pipeline stages sliced apart would each compile their blocks.
+        self._views: dict[tuple[str, ...], DeviceMesh] = {}
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         names = (names,) if isinstance(names, str) else tuple(names)
+        if names not in self._views:
+            self._views[names] = self._view(names)
+        return self._views[names]
+
+    def _view(self, names: tuple[str, ...]) -> DeviceMesh:
         if not any(n in self.flat for n in names):
             return self.root[names]
         if len(names) == 1:
