@@ -11,6 +11,10 @@ from torch.distributed.tensor import DTensor
 
 from core.config import JobConfig
 
+# optimizer.implementation -> Adam(W)'s kwargs. fused: one kernel for the whole update (CPU and
+# CUDA); foreach: a few kernels per op over all tensors; for-loop: one tensor at a time.
+ADAM_KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+
 
 def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim.Optimizer:
     o = cfg.optimizer
@@ -18,10 +22,13 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim
     if o.name == "SGD":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-    # fused: one kernel for the whole update (CPU and CUDA); foreach: a few per op over all tensors
-    kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
     return cls(
-        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **kernels[o.implementation]
+        params,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **ADAM_KERNELS[o.implementation],
     )
 
 

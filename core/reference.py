@@ -17,7 +17,7 @@ from core.config import JobConfig
 from core.data.datasets import build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.models.args import model_args  # the same ModelArgs resolution as the trainer
-from core.optim import lr_factor
+from core.optim import ADAM_KERNELS, lr_factor
 
 
 def reference_run(
@@ -26,7 +26,7 @@ def reference_run(
     steps: int | None = None,
     batches=None,
     bf16: str = "autocast",
-    fused_adamw: bool = False,
+    adamw: str = "foreach",
 ) -> dict:
     """Train cfg's model in this process on the global batch of cfg's layout.
 
@@ -35,7 +35,7 @@ def reference_run(
     `bf16` (when training.mixed_precision_param is bfloat16): "autocast" as the trainer runs
     without FSDP, or "params" as FSDP2's mixed precision does (forward and backward with bf16
     copies of the fp32 parameters, fp32 gradients and update).
-    `fused_adamw`: the fused AdamW kernel instead of the multi-tensor (foreach) one.
+    `adamw`: AdamW's kernels, as `optimizer.implementation` names them (foreach by default).
     Returns {"losses", "step_times_s", "grad_norms" (before clipping), "tokens_per_step"}.
     """
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
@@ -59,7 +59,7 @@ def reference_run(
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         weight_decay=o.weight_decay,
-        **({"fused": True} if fused_adamw else {"foreach": True}),
+        **ADAM_KERNELS[adamw],
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: lr_factor(k, s.warmup_steps, t.steps, s.decay_type, s.min_lr_factor)

@@ -61,7 +61,7 @@ def test_fused_adamw_matches_foreach(reference):
     """The trainer's default AdamW kernel (fused) trains like the multi-tensor one the reference
     loop uses (fp32, 10 steps): the optimizer choice is a speed choice, not a numerics one."""
     cfg = validate(load_config(None, [o.lstrip("-") for o in TINY_JOB]), 1, check_files=False)
-    fused = reference_run(cfg, fused_adamw=True)["losses"]
+    fused = reference_run(cfg, adamw="fused")["losses"]
     assert max_abs_diff(fused, reference) < 1e-5, (fused, reference)
     assert fused[-1] < fused[0] - 0.05
 

@@ -52,7 +52,7 @@ def trainer_vs_bare_loop(
             rec = Trainer(cfg).train()
             records.append(rec)
             trainer_times += rec["step_times_s"][1:]
-            bare_times += reference_run(cfg, fused_adamw=cfg.optimizer.implementation == "fused")["step_times_s"][1:]
+            bare_times += reference_run(cfg, adamw=cfg.optimizer.implementation)["step_times_s"][1:]
             foreach_times += reference_run(cfg)["step_times_s"][1:]
     t_trainer, t_bare = statistics.median(trainer_times), statistics.median(bare_times)
     rec = records[-1]
