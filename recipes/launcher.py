@@ -298,8 +298,9 @@ def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
 
 # ------------------------------------------------------------------------------ launching
 def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
-    """The environment of every torchrun this project starts; `set_vars` are set as given
-    (e.g. OMP_NUM_THREADS="1" where a test compares against an in-process reference)."""
+    """The environment of every torchrun this project starts (the checkout's persistent inductor
+    cache unless one is set); `set_vars` are set as given (e.g. OMP_NUM_THREADS="1" where a test
+    compares against an in-process reference)."""
     env = dict(os.environ)
     root = str(project_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -310,6 +311,8 @@ def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
         # ... so inductor compiles in each rank's own process, not in a pool of workers per rank
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # set from the start: torch's first cache lookup (at some imports) would fix its own default
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -32,10 +32,8 @@ TINY_JOB = [
 
 def dist_env(nproc: int = 2) -> dict[str, str]:
     """The launcher's CPU environment, one thread per rank at every world size (the tests compare
-    with in-process references), and the checkout's persistent inductor cache unless one is set."""
-    env = launcher.launch_env("proxy", nproc, OMP_NUM_THREADS="1")
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
-    return env
+    with in-process references)."""
+    return launcher.launch_env("proxy", nproc, OMP_NUM_THREADS="1")
 
 
 torchrun_command = launcher.torchrun_command

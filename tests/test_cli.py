@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from core.config import JOB_MARKER
 from recipes import launcher, registry
 from recipes.cli import main
 
@@ -196,7 +197,12 @@ def test_launch_command_and_env(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = launcher.launch_env("proxy", 4)
     assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"  # ranks sharing the cores: no compile pools
     assert "OMP_NUM_THREADS" not in launcher.launch_env("proxy", 1)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert launcher.launch_env("real", 8)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
+    assert launcher.launch_env("proxy", 2)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"  # the caller's wins
 
 
 def test_one_torchrun_command_builder():
@@ -388,7 +394,7 @@ def test_rows_of_one_world_size_share_one_torchrun(tmp_path):
         name = rec["config"]["job"]["name"]
         others = {json.loads((o / "result.json").read_text())["config"]["job"]["name"] for o in dirs.values()} - {name}
         assert f"{name}:" in log and not any(f"{o}:" in log for o in others), log[-2000:]  # its own progress only
-        assert "@@titan-job" not in log and "@@titan-job" not in proc.stdout
+        assert JOB_MARKER not in log and JOB_MARKER not in proc.stdout
     second = json.loads((dirs[ROW] / "result.json").read_text())
     assert "process_start_and_imports" not in second["timings_s"]  # paid by the first row
     alone = launcher.launch_trainer(2, [], tmp_path / "alone", config=dirs[ROW] / "job.json")

@@ -114,8 +114,6 @@ def run_row(
     cmd = launcher.local_command(world, job)
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     env = launcher.launch_env("proxy", world)
-    # a persistent inductor cache: the compiled 3D/4D rows compile once per machine, not per run
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
     result = run_dir / "result.json"
     t0 = time.perf_counter()
     for attempt in range(1, (RESUME_ATTEMPTS if resumable else 1) + 1):

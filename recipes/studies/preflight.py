@@ -219,7 +219,6 @@ class Preflight:
         out.mkdir(parents=True, exist_ok=True)
         target = launcher.trainer_target(None, [*overrides, f"--job.output_dir={out}", f"--job.mode={self.mode}"])
         env = launcher.launch_env(self.mode, world, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", launcher.inductor_cache_dir())
         t0 = time.perf_counter()
         rc = launcher.run_logged(launcher.torchrun_command(world, target), env, out / "train.log", timeout=timeout)
         result = out / "result.json"
