@@ -10,11 +10,13 @@ prints `JOB_MARKER <output_dir>` before each, so a reader can split the output p
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import gc
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -453,5 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_process(rc: int) -> None:
+    """Exit a finished rank without the interpreter's teardown of torch's object graph: measured
+    0.65 s of CPU per rank, 18 s for 16 ranks on 2 cores. atexit handlers and the streams still
+    run and flush; a live non-daemon thread (one still writing) gets a normal exit instead."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(rc)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

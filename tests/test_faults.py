@@ -292,3 +292,25 @@ def test_nan_grad_world2_one_line_nonzero_exit(tmp_path):
     assert list(complete_steps(tmp_path / "checkpoint")) == [1]
     weights, _ = load_model_weights(tmp_path / "checkpoint" / "step-1")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("with_thread", [False, True])
+def test_fast_exit_keeps_exit_code_atexit_and_writes(with_thread):
+    """exit_process skips only the interpreter's teardown: the code, the atexit handlers and the
+    buffered output survive; a live non-daemon thread (a writer) still finishes first."""
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from core.train import exit_process\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "if %r:\n"
+        "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"
+        "sys.stdout.write('buffered ')\n"
+        "exit_process(3)\n"
+        "print('unreachable')\n"
+    ) % with_thread
+    proc = subprocess.run(
+        [launcher.sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout.startswith("buffered ") and "atexit ran" in proc.stdout and "unreachable" not in proc.stdout
+    assert ("thread done" in proc.stdout) == with_thread

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from core.config import load_config
-from core.train import init_distributed, run
+from core.train import exit_process, init_distributed, run
 from core.validate import validate
 
 
@@ -42,4 +42,4 @@ def main(spec: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    exit_process(main(sys.argv[1]))

@@ -393,5 +393,7 @@ def preflight(out: str | None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:3] == ["--worker", "init"]:
-        sys.exit(_worker_main(sys.argv[3:]))
+        from core.train import exit_process
+
+        exit_process(_worker_main(sys.argv[3:]))
     sys.exit("usage: run-recipe preflight (this module's own entry is the torchrun worker)")
