@@ -52,6 +52,7 @@ from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.result import result_record, write_result
+from core.toggles import compile_cache
 from core.toggles.float8 import post_optimizer_hook
 from core.validate import validate
 
@@ -387,9 +388,13 @@ def _process_age_s() -> float | None:
 def run(cfg: JobConfig) -> dict:
     """Train with an already validated config inside an initialised process group."""
     t0 = time.perf_counter()
+    cache_before = compile_cache.counts()
     trainer = Trainer(cfg)
     t_init = time.perf_counter() - t0
     record = trainer.train()
+    cache = compile_cache.counts_of_all_ranks(cache_before)
+    if cfg.compile.enabled:  # a cold first step compiles: say whether the graphs came from the cache
+        record["fxgraph_cache_all_ranks"] = cache
     steps = record["step_times_s"]
     # rank 0's time per phase: the first step pays lazy init and compilation; "other" is the
     # logger, checkpoint load and the record's gathers

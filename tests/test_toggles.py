@@ -4,6 +4,7 @@ one-rank gloo group); multi-process ones launch it under torchrun (marked slow).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
 from core.train import Trainer, init_distributed
 from core.validate import validate
+from recipes import launcher
 from recipes.studies.parity_layouts import FLOAT8_TOLERANCE  # the parity suite's, justified there
 from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 
@@ -164,6 +166,44 @@ def test_compile_uses_the_project_cache_dir(monkeypatch):
     assert compile_mod.ensure_cache_dir() == str(compile_mod.DEFAULT_CACHE_DIR)
 
 
+# A tensor-parallel module on a one-rank mesh, compiled: its graphs take the DeviceMesh as an input.
+COMPILE_DTENSOR = """
+import json, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from core.toggles.compile import ensure_cache_dir
+from core.toggles.compile_cache import counts
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+ensure_cache_dir()
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+torch.compile(m, fullgraph=True)(torch.randn(4, 16)).sum().backward()
+print(json.dumps(counts()))
+"""
+
+
+@pytest.mark.slow
+def test_processes_compiling_one_dtensor_graph_share_one_compile(tmp_path):
+    """Two processes start the same compile at once: one compiles each graph (forward, backward)
+    and the other loads it, then a third process finds both in the cache. In torch 2.13 alone,
+    every process compiles: the key changes with the process (core/toggles/compile_cache.py)."""
+    env = {**launcher.launch_env("proxy", 1), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def start():
+        cmd = [sys.executable, "-c", COMPILE_DTENSOR]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def counts_of(proc):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    together = [counts_of(p) for p in [start(), start()]]
+    assert sum(c["miss"] for c in together) == 2 and sum(c["hit"] for c in together) == 2, together
+    assert counts_of(start()) == {"hit": 2, "miss": 0, "bypass": 0}
+
+
 def _world2_job(dp: int):
     return [o for o in TINY_JOB if "local_batch_size" not in o] + [f"--training.local_batch_size={8 // dp}"]
 
@@ -212,6 +252,8 @@ def test_compile_composes_with_tp_and_async_tp_is_skipped_on_cpu(tmp_path_factor
     rec = GROUPS.get("toggles.compile_tp2_acfull", tmp_path_factory)
     assert {"compile", "tp", "ac:full"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
+    cache = rec["fxgraph_cache_all_ranks"]  # the two ranks of the TP group share each compiled graph
+    assert cache["hit"] >= cache["miss"] and cache["hit"] + cache["miss"] >= 4, cache
     assert "async_tp" not in rec["toggles_applied"]
     assert "CUDA" in rec["toggles_skipped"]["async_tp"] and "NVSwitch" in rec["toggles_skipped"]["async_tp"]
 

@@ -9,7 +9,8 @@ compiled with the block).
 
 Compiled artifacts (inductor's FX graph cache, AOTAutograd cache, generated C++/Triton code)
 go to TORCHINDUCTOR_CACHE_DIR; unless the caller set it we use `.cache/inductor` under the
-repo, so a rerun of any job on this machine skips the cold compile.
+repo, so a rerun of any job on this machine skips the cold compile, and the ranks of a job share
+one compile of each graph (core/toggles/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from core.config import Compile
+from core.toggles import compile_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
@@ -42,6 +44,7 @@ def ensure_cache_dir() -> str:
     # Both are on by default in recent torch; set them so an older default cannot disable reuse.
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
+    compile_cache.install()
     return path
 
 
