@@ -106,6 +106,7 @@ def torchrun_command(
     max_restarts: int = 0,
     exe: str | None = None,
     launcher_args: list[str] | tuple[str, ...] = (),
+    forked: bool = False,
 ) -> list[str]:
     """The one place a torchrun command is built. `target`: what each rank runs, e.g.
     `["-m", "core.train", "--config", path]` or a script and its arguments. One node without a
@@ -113,8 +114,16 @@ def torchrun_command(
     torchrun executable (multi-node, sbatch); default `python -m torch.distributed.run` of
     this interpreter. `max_restarts`: torchrun's agent restarts the whole group when a rank
     dies; the trainer resumes from its latest complete checkpoint (checkpoint.enabled).
-    `launcher_args`: more torchrun options, after the rank counts (e.g. `--numa-binding=node`)."""
-    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    `launcher_args`: more torchrun options, after the rank counts (e.g. `--numa-binding=node`).
+    `forked` (proxy runs: one node, `-m MODULE` target): the same options to recipes/forked_run.py,
+    torchrun's agent with the ranks forked from a process that has imported MODULE once."""
+    if forked:
+        if exe or rdzv_endpoint is not None or nnodes != 1 or target[:1] != ["-m"]:
+            raise ValueError("a forked launch is one node, --standalone, of a `-m MODULE` target")
+        exe_args = [sys.executable, "-u", "-m", "recipes.forked_run"]
+    else:
+        exe_args = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = list(exe_args)
     if rdzv_endpoint is None:
         cmd.append("--standalone")
     cmd += [f"--nnodes={nnodes}", f"--nproc_per_node={nproc}"]
@@ -131,13 +140,14 @@ def trainer_target(config_path: Path | str | None = None, overrides: list[str] |
     return ["-m", "core.train", *(["--config", str(config_path)] if config_path else []), *overrides]
 
 
-def local_command(world: int, config_paths: Path | list[Path], max_restarts: int = 0) -> list[str]:
-    """torchrun of core.train on one node; several configs run one after another in one group."""
+def local_command(world: int, config_paths: Path | list[Path], max_restarts: int = 0, mode: str = "real") -> list[str]:
+    """torchrun of core.train on one node; several configs run one after another in one group.
+    Proxy mode forks its ranks (recipes/forked_run.py); real mode gets torchrun itself."""
     paths = [config_paths] if isinstance(config_paths, (str, Path)) else config_paths
     target = trainer_target(paths[0])
     for path in paths[1:]:
         target += ["--config", str(path)]
-    return torchrun_command(world, target, max_restarts=max_restarts)
+    return torchrun_command(world, target, max_restarts=max_restarts, forked=mode == "proxy")
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -385,7 +395,7 @@ def launch_trainer(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"])
-    cmd = torchrun_command(world, target, max_restarts=max_restarts)
+    cmd = torchrun_command(world, target, max_restarts=max_restarts, forked=mode == "proxy")
     log = out_dir / "train.log"
     with run_dir_lock(out_dir):
         rc = run_logged(cmd, launch_env(mode, world), log, echo)

@@ -46,7 +46,7 @@ def groups(rows: list[LocalRow], mode: str, max_restarts: int) -> list[list[Loca
 
 
 def _launch(rows: list[LocalRow], mode: str, max_restarts: int) -> tuple[int, float]:
-    cmd = launcher.local_command(rows[0].world, [r.job for r in rows], max_restarts)
+    cmd = launcher.local_command(rows[0].world, [r.job for r in rows], max_restarts, mode)
     for r in rows:
         (r.run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     click.echo("$ " + " ".join(cmd))

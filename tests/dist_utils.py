@@ -42,7 +42,8 @@ torchrun_command = launcher.torchrun_command
 def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float = 600) -> dict:
     """torchrun --standalone -m core.train; returns result.json. Raises with the log on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(nproc, launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides]))
+    target = launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides])
+    cmd = torchrun_command(nproc, target, forked=True)
     proc = subprocess.run(
         cmd, check=False, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True, timeout=timeout
     )
@@ -70,7 +71,7 @@ def run_group(world: int, jobs: dict[str, list[str]], out: Path, strict: bool = 
     out.mkdir(parents=True, exist_ok=True)
     spec = out / f"jobs_w{world}.json"
     spec.write_text(json.dumps(specs))
-    cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)])
+    cmd = torchrun_command(world, ["-m", "recipes.studies.group_worker", str(spec)], forked=True)
     proc = subprocess.run(
         cmd, check=False, cwd=ROOT, env=dist_env(world), capture_output=True, text=True, timeout=900 + 300 * len(jobs)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from core.config import JOB_MARKER
 from recipes import launcher, registry
 from recipes.cli import main
+from tests.dist_utils import TINY_JOB
 
 pytestmark = pytest.mark.core
 
@@ -194,6 +196,8 @@ def test_launch_command_and_env(monkeypatch):
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["-m", "core.train", "--config", "/x/job.json"]
+    proxy = launcher.local_command(4, Path("/x/job.json"), mode="proxy")  # the same options, ranks forked
+    assert proxy == [sys.executable, "-u", "-m", "recipes.forked_run", *cmd[3:]]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = launcher.launch_env("proxy", 4)
     assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
@@ -397,8 +401,31 @@ def test_rows_of_one_world_size_share_one_torchrun(tmp_path):
         assert JOB_MARKER not in log and JOB_MARKER not in proc.stdout
     second = json.loads((dirs[ROW] / "result.json").read_text())
     assert "process_start_and_imports" not in second["timings_s"]  # paid by the first row
-    alone = launcher.launch_trainer(2, [], tmp_path / "alone", config=dirs[ROW] / "job.json")
-    assert alone["losses"] == second["losses"]
+    assert commands_of(proc.stdout)[0][:4] == [sys.executable, "-u", "-m", "recipes.forked_run"]
+    # the same job alone, under torchrun itself (fresh interpreters): the same losses
+    alone = tmp_path / "alone"
+    cmd = launcher.torchrun_command(2, launcher.trainer_target(dirs[ROW] / "job.json", [f"--job.output_dir={alone}"]))
+    env = launcher.launch_env("proxy", 2)
+    ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads((alone / "result.json").read_text())["losses"] == second["losses"]
+
+
+def commands_of(stdout: str) -> list[list[str]]:
+    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("$ ")]
+
+
+@pytest.mark.slow
+def test_forked_launch_reports_a_failing_rank(tmp_path):
+    """A rank that exits non-zero fails the forked launch as it fails torchrun: the launcher's exit
+    code is non-zero and the rank's own message is in the output."""
+    target = launcher.trainer_target(None, [*TINY_JOB, "--parallelism.dp_shard=4", f"--job.output_dir={tmp_path}"])
+    cmd = launcher.torchrun_command(2, target, forked=True)
+    env = launcher.launch_env("proxy", 2)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0 and "not the world size 2" in proc.stderr, proc.stderr[-3000:]
+    with pytest.raises(ValueError, match="one node"):
+        launcher.torchrun_command(2, target, forked=True, nnodes=2, rdzv_endpoint="h:1")
 
 
 def test_job_logs_split_a_multi_job_launch_at_its_markers(tmp_path):

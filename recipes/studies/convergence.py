@@ -111,7 +111,7 @@ def run_row(
     run_dir = launcher.make_run_dir(recipe, run_dir, several=False)
     job = launcher.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
-    cmd = launcher.local_command(world, job)
+    cmd = launcher.local_command(world, job, mode="proxy")
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     env = launcher.launch_env("proxy", world)
     result = run_dir / "result.json"

@@ -89,7 +89,7 @@ def run_grouped(layouts: list[Layout], dtype: str, out_dir: Path, timeout: float
             jobs.append({"name": lay.name, "overrides": overrides})
         spec = Path(out_dir).resolve() / f"jobs_{dtype}_w{world}.json"
         spec.write_text(json.dumps(jobs, indent=1))
-        cmd = launcher.torchrun_command(world, ["-m", GROUP_WORKER, str(spec)])
+        cmd = launcher.torchrun_command(world, ["-m", GROUP_WORKER, str(spec)], forked=True)
         log = spec.with_suffix(".log")
         t0 = time.perf_counter()
         # after a timeout, the jobs that finished have their result.json

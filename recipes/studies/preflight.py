@@ -176,7 +176,7 @@ def run_init_check(
     ]
     log = out.with_suffix(".log")
     rc = launcher.run_logged(
-        launcher.torchrun_command(world, target),
+        launcher.torchrun_command(world, target, forked=mode == "proxy"),
         launcher.launch_env(mode, world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
         log,
         timeout=timeout,
@@ -220,7 +220,8 @@ class Preflight:
         target = launcher.trainer_target(None, [*overrides, f"--job.output_dir={out}", f"--job.mode={self.mode}"])
         env = launcher.launch_env(self.mode, world, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
         t0 = time.perf_counter()
-        rc = launcher.run_logged(launcher.torchrun_command(world, target), env, out / "train.log", timeout=timeout)
+        cmd = launcher.torchrun_command(world, target, forked=not self.real)
+        rc = launcher.run_logged(cmd, env, out / "train.log", timeout=timeout)
         result = out / "result.json"
         if rc != 0 or not result.is_file():
             self.verdict(

@@ -1,0 +1,50 @@
+"""torchrun for proxy runs on one machine, with the ranks forked from a process that has already
+imported what they run.
+
+    python -u -m recipes.forked_run [torchrun options] -m MODULE [args...]
+
+It takes torchrun's options and gives torchrun's behaviour: torch's own argument parser, launch
+config, elastic agent, c10d rendezvous and restarts. One thing differs: each rank is a fork of
+this process running `python -m MODULE args` (runpy), not a new interpreter. The ranks no
+longer import torch and the trainer one by one on a few cores: 2.5 s of CPU each. An 8-rank
+proxy launch measured 16-17.6 s under torchrun and 6.0-6.4 s here, with the same losses.
+Real runs keep torchrun: GPUs, and the workers of a real cluster, get fresh processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+import uuid
+import warnings
+
+
+def _run_module_as_main(module: str, argv: list[str]) -> None:
+    """What `python -m module argv...` does, in a forked rank."""
+    sys.argv = [module, *argv]
+    with warnings.catch_warnings():  # "found in sys.modules": imported on purpose, by the parent
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(argv)
+    if not (args.module and args.standalone):
+        sys.exit("recipes.forked_run: runs `--standalone ... -m MODULE` only (one node); use torchrun otherwise")
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # as --standalone
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    importlib.import_module(args.training_script)  # imported once here; every fork inherits it
+    from core.train import FORKED_AT_AGE_ENV, process_age_s
+
+    os.environ[FORKED_AT_AGE_ENV] = f"{process_age_s() or 0.0:.3f}"  # the ranks' records count it
+    elastic_launch(config, _run_module_as_main)(args.training_script, list(args.training_script_args))
+
+
+if __name__ == "__main__":
+    main()
