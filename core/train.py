@@ -37,6 +37,7 @@ from core.data.datasets import BadDocumentError, build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_hardware
+from core.lazy_imports import import_for
 from core.metrics import (
     MetricsLogger,
     PeakMemory,
@@ -371,6 +372,14 @@ def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
     parser.add_argument("--config", action="append", help="job config (.toml or .json); repeatable")
     known, overrides = parser.parse_known_args(argv)
     return [load_config(path, overrides) for path in (known.config or [None])]
+
+
+def before_fork(argv: list[str]) -> None:
+    """Called by recipes/forked_run.py before it forks the ranks: import what the jobs import lazily."""
+    try:
+        import_for(parse_jobs(argv))
+    except ConfigError:
+        pass  # each rank's main() reports it
 
 
 # Where this process's time went before the trainer (main() fills it; a grouped job has none).

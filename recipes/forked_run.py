@@ -9,6 +9,11 @@ this process running `python -m MODULE args` (runpy), not a new interpreter. The
 longer import torch and the trainer one by one on a few cores: 2.5 s of CPU each. An 8-rank
 proxy launch measured 16-17.6 s under torchrun and 6.0-6.4 s here, with the same losses.
 Real runs keep torchrun: GPUs, and the workers of a real cluster, get fresh processes.
+
+MODULE is imported here, so its top level must only define things (its work under
+`if __name__ == "__main__"`). If it has `before_fork(args)`, that runs here too, to import what the
+ranks would import lazily (core.train, group_worker: inductor and torchao for compiled and Float8
+jobs). Nothing imported before the fork may start a thread.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())  # as --standalone
     config, _, _ = config_from_args(args)
     config.start_method = "fork"
-    importlib.import_module(args.training_script)  # imported once here; every fork inherits it
+    module = importlib.import_module(args.training_script)  # imported once here; every fork inherits it
+    if hasattr(module, "before_fork"):  # what the module's jobs import lazily, imported once too
+        module.before_fork(list(args.training_script_args))
     from core.train import FORKED_AT_AGE_ENV, process_age_s
 
     os.environ[FORKED_AT_AGE_ENV] = f"{process_age_s() or 0.0:.3f}"  # the ranks' records count it

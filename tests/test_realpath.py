@@ -285,3 +285,25 @@ def test_preflight_proxy_form_passes_and_names_what_it_skipped(tmp_path):
     assert {status["NCCL"], status["AsyncTP"], status["Float8 matmuls (sm89+)"]} == {"SKIP"}
     assert "tokens/s/device" in proc.stdout and "peak memory" in proc.stdout
     print(f"preflight wall {wall:.0f} s (goal: under 180 s on 2 free cores)")
+
+
+# ----------------------------------------------------------------------------- forked launch
+def test_what_a_forked_launch_imports_first_starts_no_thread():
+    """recipes/forked_run.py forks the ranks after core.train.before_fork imported what the jobs
+    import lazily. Forking is only safe while the process has one thread: importing those modules
+    must not start any (HF `datasets` would: pyarrow's allocator thread, so it is not among them)."""
+    script = (
+        "import os, sys\n"
+        "import core.train\n"
+        "threads = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = threads()\n"
+        "core.train.before_fork(['--compile.enabled=true', '--float8.enabled=true', '--data.dataset=c4_offline'])\n"
+        "mods = ('torch._inductor.compile_fx', 'torchao.float8', 'datasets')\n"
+        "print(before, threads(), *(m in sys.modules for m in mods))\n"
+    )
+    proc = subprocess.run(
+        [launcher.sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after, compile_fx, float8, datasets = proc.stdout.split()[-5:]
+    assert after == before and (compile_fx, float8, datasets) == ("True", "True", "False"), proc.stdout

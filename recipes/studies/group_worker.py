@@ -18,8 +18,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from core.config import load_config
+from core.lazy_imports import import_for
 from core.train import exit_process, init_distributed, run
 from core.validate import validate
+
+
+def before_fork(argv: list[str]) -> None:
+    """recipes/forked_run.py calls it before forking the ranks: the jobs' lazy imports, once."""
+    import_for([load_config(None, job["overrides"]) for job in json.loads(Path(argv[0]).read_text())])
 
 
 def main(spec: str) -> int:

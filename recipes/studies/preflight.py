@@ -393,8 +393,8 @@ def preflight(out: str | None) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:3] == ["--worker", "init"]:
-        from core.train import exit_process
+    if sys.argv[1:3] != ["--worker", "init"]:
+        sys.exit("usage: run-recipe preflight (this module's own entry is the torchrun worker)")
+    from core.train import exit_process
 
-        exit_process(_worker_main(sys.argv[3:]))
-    sys.exit("usage: run-recipe preflight (this module's own entry is the torchrun worker)")
+    exit_process(_worker_main(sys.argv[3:]))
