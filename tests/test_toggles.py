@@ -186,8 +186,8 @@ print(json.dumps(counts()))
 @pytest.mark.slow
 def test_processes_compiling_one_dtensor_graph_share_one_compile(tmp_path):
     """Two processes start the same compile at once: one compiles each graph (forward, backward)
-    and the other loads it, then a third process finds both in the cache. In torch 2.13 alone,
-    every process compiles: the key changes with the process (core/toggles/compile_cache.py)."""
+    and the other loads it from the cache. In torch 2.13 alone both compile: the key changes with
+    the process (core/toggles/compile_cache.py)."""
     env = {**launcher.launch_env("proxy", 1), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
 
     def start():
@@ -201,7 +201,6 @@ def test_processes_compiling_one_dtensor_graph_share_one_compile(tmp_path):
 
     together = [counts_of(p) for p in [start(), start()]]
     assert sum(c["miss"] for c in together) == 2 and sum(c["hit"] for c in together) == 2, together
-    assert counts_of(start()) == {"hit": 2, "miss": 0, "bypass": 0}
 
 
 def _world2_job(dp: int):
