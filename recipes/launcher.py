@@ -118,7 +118,7 @@ def torchrun_command(
     `forked` (proxy runs: one node, `-m MODULE` target): the same options to recipes/forked_run.py,
     torchrun's agent with the ranks forked from a process that has imported MODULE once."""
     if forked:
-        if exe or rdzv_endpoint is not None or nnodes != 1 or target[:1] != ["-m"]:
+        if exe or rdzv_endpoint is not None or nnodes != 1 or list(target[:1]) != ["-m"]:
             raise ValueError("a forked launch is one node, --standalone, of a `-m MODULE` target")
         exe_args = [sys.executable, "-u", "-m", "recipes.forked_run"]
     else:
