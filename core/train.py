@@ -409,9 +409,8 @@ def run(cfg: JobConfig) -> dict:
     trainer = Trainer(cfg)
     t_init = time.perf_counter() - t0
     record = trainer.train()
-    cache = compile_cache.counts_of_all_ranks(cache_before)
     if cfg.compile.enabled:  # a cold first step compiles: say whether the graphs came from the cache
-        record["fxgraph_cache_all_ranks"] = cache
+        record["fxgraph_cache_all_ranks"] = compile_cache.counts_of_all_ranks(cache_before)
     steps = record["step_times_s"]
     # rank 0's time per phase: the first step pays lazy init and compilation; "other" is the
     # logger, checkpoint load and the record's gathers
