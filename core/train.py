@@ -405,12 +405,13 @@ def process_age_s() -> float | None:
 def run(cfg: JobConfig) -> dict:
     """Train with an already validated config inside an initialised process group."""
     t0 = time.perf_counter()
-    cache_before = compile_cache.counts()
+    cache_before = compile_cache.all_counts()
     trainer = Trainer(cfg)
     t_init = time.perf_counter() - t0
     record = trainer.train()
     if cfg.compile.enabled:  # a cold first step compiles: say whether the graphs came from the cache
-        record["fxgraph_cache_all_ranks"] = compile_cache.counts_of_all_ranks(cache_before)
+        for cache, lookups in compile_cache.counts_of_all_ranks(cache_before).items():
+            record[f"{cache}_cache_all_ranks"] = lookups
     steps = record["step_times_s"]
     # rank 0's time per phase: the first step pays lazy init and compilation; "other" is the
     # logger, checkpoint load and the record's gathers

@@ -39,13 +39,22 @@ def dist_env(nproc: int = 2) -> dict[str, str]:
 torchrun_command = launcher.torchrun_command
 
 
-def run_trainer(nproc: int, overrides: list[str], out_dir: Path, timeout: float = 600) -> dict:
-    """torchrun --standalone -m core.train; returns result.json. Raises with the log on failure."""
+def run_trainer(
+    nproc: int, overrides: list[str], out_dir: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> dict:
+    """torchrun --standalone -m core.train (`env` added to the launch's); returns result.json.
+    Raises with the log on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
     target = launcher.trainer_target(None, [f"--job.output_dir={out_dir}", *overrides])
     cmd = torchrun_command(nproc, target, forked=True)
     proc = subprocess.run(
-        cmd, check=False, cwd=ROOT, env=dist_env(nproc), capture_output=True, text=True, timeout=timeout
+        cmd,
+        check=False,
+        cwd=ROOT,
+        env={**dist_env(nproc), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

@@ -23,7 +23,7 @@ from core.hardware import check_hardware
 from core.models.llama3 import build_model
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
-from core.toggles import async_tp
+from core.toggles import async_tp, compile_cache
 from core.toggles import compile as compile_mod
 from core.toggles.activation_checkpoint import apply_ac, wrap_block
 from core.toggles.async_tp import apply_async_tp
@@ -201,6 +201,48 @@ def test_processes_compiling_one_dtensor_graph_share_one_compile(tmp_path):
 
     together = [counts_of(p) for p in [start(), start()]]
     assert sum(c["miss"] for c in together) == 2 and sum(c["hit"] for c in together) == 2, together
+
+
+def test_group_names_are_written_by_role_in_keys_and_saved_code():
+    """Ranks of different TP groups share a graph: registered group names become their role in
+    op calls, and loading puts this process's group back. A name left anywhere else (not an op
+    argument) keeps the code raw, so nothing is shared wrongly."""
+    code = (
+        "buf2 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf1, 2, '27')\n"
+        "torch.ops._c10d_functional.all_reduce_.default(buf3, 'sum', '41')\n"
+        "x = foo('27')  # not an op call\n"
+    )
+    try:
+        compile_cache.name_groups({"tp": "27", "cp": "41", "dp_cp": "41"})  # dp_cp is cp's group here
+        assert compile_cache.canonical_code(code) is None  # '27' outside an op call
+        ops = code.rsplit("x = ", 1)[0]
+        by_role = compile_cache.canonical_code(ops)
+        assert "'titan-group:tp'" in by_role and "'titan-group:cp'" in by_role and "dp_cp" not in by_role
+        assert "'27'" not in by_role and "'41'" not in by_role and "'sum'" in by_role
+        compile_cache.name_groups({"tp": "28", "cp": "43"})  # a rank of other groups loads it
+        assert compile_cache.local_code(by_role) == ops.replace("'27'", "'28'").replace("'41'", "'43'")
+        compile_cache.name_groups({"tp": "28"})
+        with pytest.raises(RuntimeError, match="'cp'"):
+            compile_cache.local_code(by_role)
+    finally:
+        compile_cache.name_groups({})
+    assert compile_cache.canonical_code(code) == code  # no groups registered: code as it is
+
+
+@pytest.mark.slow
+def test_ranks_of_two_tp_groups_share_compiles_and_a_warm_rerun_loads_its_own_groups(tmp_path):
+    """TP 2 x DP 2: the two TP groups' ranks compile each graph once between them (torch alone:
+    once per group). A warm rerun loads every graph; before the AOTAutograd key named the mesh's
+    groups it loaded the other group's and failed ("Could not resolve the process group")."""
+    job = [*_world2_job(2), "--parallelism.dp_shard=2", "--parallelism.tp=2", "--compile.enabled=true"]
+    job = [o for o in job if "training.steps" not in o] + ["--training.steps=3"]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cold = run_trainer(4, job, tmp_path / "cold", env=env)
+    assert cold["fxgraph_cache_all_ranks"] == {"hit": 6, "miss": 2, "bypass": 0}, cold  # forward, backward
+    warm = run_trainer(4, job, tmp_path / "warm", env=env)
+    assert warm["aot_autograd_cache_all_ranks"] == {"hit": 4, "miss": 0, "bypass": 0}, warm
+    assert warm["fxgraph_cache_all_ranks"]["miss"] == 0
+    assert warm["losses"] == cold["losses"]
 
 
 def _world2_job(dp: int):

@@ -105,6 +105,14 @@ def mesh_groups(mesh: WorldMesh) -> list:
     return list({id(g): g for g in groups}.values())
 
 
+def group_roles(mesh: WorldMesh) -> dict[str, str]:
+    """This rank's process group of each mesh dim and flattened view, by dim name: the group's
+    name differs from one group of a dim to the next (ranks 0-1 vs 2-3), its role does not."""
+    roles = {name: mesh.root.get_group(name).group_name for name in MESH_DIMS}
+    roles.update({name: view.get_group().group_name for name, view in mesh.flat.items()})
+    return roles
+
+
 def mesh_group_timeouts(mesh: WorldMesh, seconds: float) -> None:
     timeout = datetime.timedelta(seconds=seconds)
     for group in mesh_groups(mesh):

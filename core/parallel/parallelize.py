@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from core.config import JobConfig
 from core.parallel.fsdp import apply_fsdp, fsdp_mesh
-from core.parallel.mesh import ParallelDims, WorldMesh
+from core.parallel.mesh import ParallelDims, WorldMesh, group_roles
 from core.parallel.tensor import apply_tp
 from core.toggles.activation_checkpoint import apply_ac
 from core.toggles.async_tp import apply_async_tp
@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
             model, cfg.activation_checkpoint, toggles, save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm
         )
     if cfg.compile.enabled:
-        apply_compile(model, cfg.compile, toggles)
+        apply_compile(model, cfg.compile, toggles, group_roles(mesh))
     if dims.fsdp_enabled:
         t, p = cfg.training, cfg.parallelism
         apply_fsdp(

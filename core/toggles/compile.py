@@ -89,8 +89,11 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     return outer
 
 
-def apply_compile(model: nn.Module, cfg: Compile, toggles) -> nn.Module:
+def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str, str] | None = None) -> nn.Module:
     """Replace each block of model.layers by its compiled version, in place. Returns model.
+
+    `group_roles` (mesh dim -> this rank's group name) lets ranks of different TP/CP groups share
+    one compiled graph (compile_cache.name_groups).
 
     FQNs gain `_orig_mod.`; torch.distributed.checkpoint's state_dict helpers strip it, so a
     checkpoint saved compiled loads uncompiled and back.
@@ -101,6 +104,7 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles) -> nn.Module:
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    compile_cache.name_groups(group_roles or {})
     if cfg.emulate_precision_casts:
         import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
 
