@@ -318,8 +318,9 @@ def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ""  # proxies run on CPU + gloo, whatever the node has
     if mode == "proxy" and world > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
-        # ... so inductor compiles in each rank's own process, not in a pool of workers per rank
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        # ... but one rank compiles each graph while the others wait for it (compile_cache), so
+        # its C++ kernels build on every core (TP 2 x DP 2 cold first step: 27.4 s -> 23.4 s)
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(len(os.sched_getaffinity(0))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     # set from the start: torch's first cache lookup (at some imports) would fix its own default
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())

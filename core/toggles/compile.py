@@ -16,6 +16,8 @@ one compile of each graph (core/toggles/compile_cache.py).
 from __future__ import annotations
 
 import os
+import platform
+import threading
 from pathlib import Path
 
 import torch
@@ -46,6 +48,28 @@ def ensure_cache_dir() -> str:
     functorch_config.enable_autograd_cache = True
     compile_cache.install()
     return path
+
+
+_isa_probes_started = False
+
+
+def probe_cpu_isas_in_background() -> None:
+    """Inductor picks the CPU's vector ISA at the first compile by building a probe per candidate
+    (AVX2, AVX512 and its bf16/VNNI variants), one after another: six g++ runs over ATen's vector
+    headers, 8 s before the first kernel builds on a cold cache (this EPYC). Each runs here in its
+    own daemon thread (g++ runs outside the GIL), overlapping the tracing of the first graph;
+    inductor then reads the cached answers, or waits on the same file lock for one still building.
+    """
+    global _isa_probes_started
+    if _isa_probes_started or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    _isa_probes_started = True
+    from torch._inductor import cpu_vec_isa
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    for isa in cpu_vec_isa.supported_vec_isa_list:  # inductor's own filter (valid_vec_isa_list)
+        if all(flag in flags for flag in str(isa).split()):
+            threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True).start()
 
 
 def _materialize_async_input(module: nn.Module, args: tuple, kwargs: dict):
@@ -104,6 +128,7 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    probe_cpu_isas_in_background()
     compile_cache.name_groups(group_roles or {})
     if cfg.emulate_precision_casts:
         import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
