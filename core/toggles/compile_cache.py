@@ -199,9 +199,16 @@ def install() -> bool:
             lock.release()
         return graph, info
 
+    def release(key):
+        lock = getattr(_state, "held", {}).pop(key, None)
+        if lock is not None:
+            lock.release()
+
     def save_by_role_and_release(key, compiled_graph, *args, **kwargs):
-        raw = compiled_graph.source_code
+        raw = getattr(compiled_graph, "source_code", None)  # None: not a CompiledFxGraph (torch refuses it)
         try:
+            if raw is None:
+                return save_graph(key, compiled_graph, *args, **kwargs)
             saved = canonical_code(raw) if getattr(compiled_graph, "_original_gm", None) is None else None
             if saved is None:  # a group name outside an op call: the key may be by role, the code not
                 log.warning("compile cache: graph %s names a group outside an op call; not saved", key)
@@ -209,10 +216,9 @@ def install() -> bool:
             compiled_graph.source_code = saved  # _save_graph pickles a copy of it
             return save_graph(key, compiled_graph, *args, **kwargs)
         finally:
-            compiled_graph.source_code = raw
-            lock = getattr(_state, "held", {}).pop(key, None)
-            if lock is not None:
-                lock.release()
+            if raw is not None:
+                compiled_graph.source_code = raw
+            release(key)
 
     def deserialize_with_own_groups(self, *args, **kwargs):
         if GROUP_TOKEN in self.source_code:
