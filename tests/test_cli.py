@@ -202,7 +202,7 @@ def test_launch_command_and_env(monkeypatch):
     env = launcher.launch_env("proxy", 4)
     assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
     # one rank compiles each graph while the others wait: its C++ kernels build on every core
-    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(launcher.usable_cpus()) == str(len(os.sched_getaffinity(0)))
     assert "OMP_NUM_THREADS" not in launcher.launch_env("proxy", 1)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert launcher.launch_env("real", 8)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()
