@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from core import cpu_gemm
 from core.models.args import ModelArgs, param_count
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
@@ -47,11 +48,18 @@ def cuda_peak_flops(name: str) -> float:
     return 0.0
 
 
-def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int = 5) -> float:
-    """Best of a few square matmuls on this process's threads: the CPU 'peak' for MFU."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, max_n: int = 2048, repeats: int = 5) -> float:
+    """Best of a few square matmuls on this process's threads: the CPU 'peak' for MFU. The size
+    doubles from 256 while one matmul takes under 50 ms (a CPU's scalar bf16 fallback runs a
+    2048 matmul for minutes)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t = time.perf_counter()
+        a @ b  # also the warm-up
+        if n >= max_n or time.perf_counter() - t > 0.05:
+            break
+        n *= 2
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -61,15 +69,17 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, r
 
 
 def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> float:
-    """Measured once per machine, dtype and thread count, cached as JSON."""
+    """Measured once per machine, dtype, thread count and bf16 GEMM route (core.cpu_gemm), cached as JSON."""
     cache = Path(cache_dir or os.environ.get("TITAN_CACHE", Path.home() / ".cache" / "titan_recipes"))
     key = f"{dtype}-threads{torch.get_num_threads()}-{os.cpu_count()}cpu"
+    if dtype == "bfloat16" and cpu_gemm.active() == "fp32":
+        key += "-fp32gemm"
     path = cache / "cpu_peak_flops.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key not in table:
         table[key] = measure_cpu_peak_flops(getattr(torch, dtype))
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=2))
         tmp.replace(path)
     return table[key]
@@ -87,15 +97,21 @@ def device_info() -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's model name and whether it has AMX (bf16 matmul speed differs several-fold between
-    machines with and without it, so a CPU figure names its CPU)."""
+    """The CPU's model name and its widest matmul ISA (AMX, AVX-512 with or without bf16, AVX2):
+    bf16 matmul speed differs tens of times between them, so a CPU figure names its CPU."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    amx = "amx_bf16" in info
-    return f"{name or platform.machine()}, {'AMX' if amx else 'no AMX'}"
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    if "amx_bf16" in flags:
+        isa = "AMX"
+    elif "avx512f" in flags:
+        isa = f"AVX-512{' bf16' if 'avx512_bf16' in flags else ''}, no AMX"
+    else:
+        isa = f"{'AVX2' if 'avx2' in flags else 'no AVX2'}, no AVX-512, no AMX"
+    return f"{name or platform.machine()}, {isa}"
 
 
 def peak_memory_gib() -> float:

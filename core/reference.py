@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from core import cpu_gemm
 from core.build import init_model, with_attention_dtype
 from core.config import JobConfig
 from core.data.datasets import build_dataloader
@@ -36,8 +37,15 @@ def reference_run(
     without FSDP, or "params" as FSDP2's mixed precision does (forward and backward with bf16
     copies of the fp32 parameters, fp32 gradients and update).
     `adamw`: AdamW's kernels, as `optimizer.implementation` names them (foreach by default).
+    bf16 matmuls run as `training.bf16_gemm` resolves on this CPU, as in the trainer's ranks.
     Returns {"losses", "step_times_s", "grad_norms" (before clipping), "tokens_per_step"}.
     """
+    gemm = cpu_gemm.resolve(cfg.training.bf16_gemm, torch.device("cpu"), cfg.training.mixed_precision_param)
+    with cpu_gemm.using(gemm):
+        return _reference_loop(cfg, vocab_size, steps, batches, bf16, adamw)
+
+
+def _reference_loop(cfg: JobConfig, vocab_size, steps, batches, bf16: str, adamw: str) -> dict:
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
     steps = steps or t.steps
     dp = cfg.parallelism.dp_replicate * max(cfg.parallelism.dp_shard, 1)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from core import cpu_gemm
 from core.config import JobConfig, save_config
 from core.metrics import device_info, peak_memory_gib
 from core.models.args import shape_record
@@ -106,6 +107,7 @@ def result_record(trainer, losses, grad_norms, step_times, wall, tokens_per_step
             "world_size": trainer.world_size,
             "peak_flops": peak,
             "peak_source": info["peak_source"],
+            "bf16_gemm": cpu_gemm.active(),  # core.cpu_gemm: fp32 where the CPU has no fast bf16 GEMM
         },
         "world_size": trainer.world_size,
         "model": {

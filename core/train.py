@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from core import cpu_gemm
 from core.build import build_model, schedule_stages, with_attention_dtype
 from core.checkpoint import Checkpointer
 from core.checkpoint_files import CheckpointError
@@ -165,6 +166,7 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        cpu_gemm.use(cpu_gemm.resolve(cfg.training.bf16_gemm, self.device, cfg.training.mixed_precision_param))
         self.out_dir = Path(cfg.job.output_dir)
         self.dims = ParallelDims.from_config(cfg.parallelism)
         self.mesh = self.dims.build_mesh(self.device.type, cfg.comm.init_timeout_seconds)
