@@ -22,17 +22,19 @@ from core.models.args import shape_record
 from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
 
 
-def _git_commit() -> str:
+def _git_commit(root: Path | None = None) -> str:
+    """HEAD's short hash, "+modified" when the code (core/, recipes/) differs from it."""
+    root = root or Path(__file__).resolve().parents[1]
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=5,
-        ).stdout.strip()
+        git = ["git", "-C", str(root)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--", "core", "recipes"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
+    commit = head.stdout.strip()
+    return f"{commit}+modified" if commit and changed.stdout.strip() else commit
 
 
 def versions() -> dict:

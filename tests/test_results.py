@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -382,3 +383,23 @@ def test_readme_names_the_calibration_the_spec_states():
         assert table_data.calibrated_constants(note, row) == [const]
     for gpu in known_gpus():
         assert f"`{gpu}`" in section, gpu
+
+
+def test_record_names_a_modified_tree(tmp_path):
+    """A record made from uncommitted code says so beside the commit (results or notes elsewhere do not count)."""
+    from core.result import _git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "a.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = _git_commit(tmp_path)
+    assert head and "+" not in head
+    (tmp_path / "notes.md").write_text("results\n")
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "core" / "a.py").write_text("x = 2\n")
+    assert _git_commit(tmp_path) == f"{head}+modified"
