@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
+from core import cpu_gemm
 from core.config import ActivationCheckpoint, Compile, ConfigError, load_config
 from core.hardware import check_hardware
 from core.models.llama3 import build_model
@@ -285,6 +286,7 @@ GROUPS.add(
 @pytest.mark.slow
 def test_compile_composes_with_fsdp2(tmp_path_factory, reference_fp32):
     rec = GROUPS.get("toggles.compile_fsdp2", tmp_path_factory)
+    assert rec["hardware"]["bf16_gemm"] == "native"  # fp32 training leaves torch's kernels alone
     assert {"compile", "fsdp"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
 
@@ -388,6 +390,8 @@ def test_float8_fsdp2_float8_all_gather(tmp_path_factory):
     rec = GROUPS.get("toggles.float8_fsdp2_all_gather", tmp_path_factory)
     assert {"float8", "float8:tensorwise", "float8_fsdp_all_gather", "fsdp"} <= set(rec["toggles_applied"])
     assert max_abs_diff(rec["losses"], ref) < FLOAT8_TOLERANCE
+    # bf16 training: the ranks route bf16 matmuls as this CPU needs (core.cpu_gemm), as the reference did
+    assert rec["hardware"]["bf16_gemm"] == cpu_gemm.resolve("auto", torch.device("cpu"), "bfloat16")
 
 
 def test_float8_needs_sm89_on_cuda(monkeypatch):
