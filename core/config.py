@@ -124,7 +124,7 @@ class Training:
         metadata={
             "doc": "CPU bf16 matmuls: native (torch's kernel) | fp32 (the fp32 GEMM, result rounded to bf16); "
             "auto: fp32 for bf16 training on a CPU without oneDNN's bf16 GEMM (no AVX-512), where torch's is "
-            "15-30x slower"
+            "10-70x slower"
         },
     )
     dataset_infinite: bool = field(default=True, metadata={"doc": "restart the dataset when it ends"})

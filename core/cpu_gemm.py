@@ -2,7 +2,7 @@
 
 torch 2.13 runs a CPU bf16 GEMM in oneDNN only when the CPU has AVX-512
 (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere (an AVX2-only x86, say) it falls
-back to a scalar loop 15-30x slower than its fp32 GEMM (~1 GFLOP/s against ~30 on one AMD EPYC
+back to a scalar loop 10-70x slower than its fp32 GEMM (0.25-1.45 GFLOP/s against 11-34, by shape, on one AMD EPYC
 core). `training.bf16_gemm = "fp32"` routes bf16 `mm` and `bmm` (and their out= forms, which
 compiled graphs call) through the fp32 GEMM instead: a product of two bf16 numbers is exact in
 fp32, both kernels accumulate in fp32 and round the result to bf16 once, so only the order of
