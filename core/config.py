@@ -268,6 +268,18 @@ class Comm:
 
 
 @dataclass
+class Profiling:
+    enabled: bool = field(
+        default=False,
+        metadata={"doc": "the torch profiler over a window of steps: a Chrome trace and an op table per rank"},
+    )
+    start_step: int = field(default=3, metadata={"doc": "first profiled step (after compile and warm-up)"})
+    steps: int = field(default=2, metadata={"doc": "profiled steps from start_step"})
+    folder: str = field(default="profile", metadata={"doc": "under job.output_dir"})
+    record_shapes: bool = field(default=False, metadata={"doc": "op table rows per input shape (more overhead)"})
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -283,6 +295,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
-import gc
 import math
 import multiprocessing
 import os
@@ -55,6 +54,7 @@ from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.result import result_record, write_result
+from core.step_hooks import GCAtSteps, StepProfiler
 from core.toggles import compile_cache
 from core.toggles.float8 import post_optimizer_hook
 from core.validate import validate
@@ -130,25 +130,6 @@ class TrainStep:
                 del logits
                 loss.backward()
         return loss.detach()
-
-
-class GCAtSteps:
-    """Python's garbage collector every `freq` steps (a young-generation pass), never mid-step:
-    an automatic collection inside a step walks the autograd graph's and the modules' objects."""
-
-    def __init__(self, freq: int):
-        self.freq, self.was_enabled = freq, gc.isenabled()
-        if freq > 0:
-            gc.disable()
-            gc.collect(1)
-
-    def step(self, step: int) -> None:
-        if self.freq > 0 and step % self.freq == 0:
-            gc.collect(1)
-
-    def close(self) -> None:
-        if self.was_enabled:
-            gc.enable()
 
 
 class NonFiniteError(FloatingPointError):
@@ -305,9 +286,11 @@ class Trainer:
             )
         wall0 = time.perf_counter()
         gc_at_steps = GCAtSteps(t.gc_freq)
+        profiler = StepProfiler(cfg.profiling, self.out_dir, self.rank, self.device.type)
         try:
             while self.step < t.steps:
                 self.train_state.step += 1
+                profiler.before_step(self.step)
                 # the step time is the whole iteration, data included (throughput counts it); the
                 # data part is also recorded on its own
                 t0 = time.perf_counter()
@@ -317,6 +300,9 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                profiler.after_step(self.step)
+                if profiler.summary and self.rank == 0 and profiler.last == self.step:
+                    (progress.write if progress else print)(profiler.headline())
                 if self.skipped_last_step:
                     self._nonfinite_step(loss, gnorm)
                 losses.append(loss)
@@ -355,13 +341,15 @@ class Trainer:
                 gc_at_steps.step(self.step)
         finally:
             gc_at_steps.close()
+            profiler.close()
         wall = time.perf_counter() - wall0
         if progress:
             progress.close()
         if self.checkpointer:
             self.checkpointer.close()
         logger.close()
-        return result_record(self, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak)
+        record = result_record(self, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak)
+        return {**record, "profile": profiler.summary} if profiler.summary else record
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:

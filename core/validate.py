@@ -150,6 +150,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(f"comm.trace_buf_size: must be >= 0 (0 disables), got {cfg.comm.trace_buf_size}")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq: must be >= 1, got {cfg.metrics.log_freq}")
+    _check_profiling(cfg)
 
     dp_shard, world = _degrees(cfg.parallelism, world_size)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
@@ -194,3 +195,21 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
             raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
     return cfg
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    prof, steps = cfg.profiling, cfg.training.steps
+    if not prof.enabled:
+        return
+    if prof.start_step < 1 or prof.steps < 1:
+        raise ConfigError(f"profiling: start_step and steps must be >= 1, got {prof.start_step} and {prof.steps}")
+    last = prof.start_step + prof.steps - 1
+    if last > steps:
+        raise ConfigError(
+            f"profiling.start_step: steps {prof.start_step}..{last} run past training.steps={steps} "
+            "(lower profiling.start_step or profiling.steps)"
+        )
+    if prof.folder in ("", ".", "..") or os.path.isabs(prof.folder) or prof.folder == cfg.checkpoint.folder:
+        raise ConfigError(
+            f"profiling.folder: {prof.folder!r} must be a sub-folder name of job.output_dir other than the checkpoint's"
+        )

@@ -69,7 +69,7 @@ def test_fused_adamw_matches_foreach(reference):
 def test_garbage_collection_runs_at_fixed_steps_only(monkeypatch):
     import gc
 
-    from core.train import GCAtSteps
+    from core.step_hooks import GCAtSteps
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda gen=2: calls.append(gen))
