@@ -62,9 +62,10 @@ class StepProfiler:
             self.span = record_function(f"step {step}")  # the step's own Python time is this span's self time
             self.span.__enter__()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> bool:
+        """True when this step closed the window (`summary` is then set)."""
         if self.prof is None:
-            return
+            return False
         self.span.__exit__(None, None, None)
         if step == self.last:
             if self.device_type == "cuda":
@@ -73,6 +74,8 @@ class StepProfiler:
             self.prof.stop()
             self.summary = self._write(wall)
             self.prof = None
+            return True
+        return False
 
     def close(self) -> None:
         """A run that ended inside the window (an error): stop the profiler, write nothing."""

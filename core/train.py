@@ -300,8 +300,7 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                profiler.after_step(self.step)
-                if profiler.summary and self.rank == 0 and profiler.last == self.step:
+                if profiler.after_step(self.step) and self.rank == 0:
                     (progress.write if progress else print)(profiler.headline())
                 if self.skipped_last_step:
                     self._nonfinite_step(loss, gnorm)
