@@ -243,7 +243,7 @@ def read_metadata(path: Path):
         raise CheckpointError(f"{f}: missing (not a complete DCP checkpoint)")
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling garbage raises anything from EOFError to KeyError
+    except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything from EOFError to KeyError
         raise CheckpointError(f"{f}: corrupted checkpoint metadata ({type(e).__name__}: {e})") from None
 
 

@@ -39,10 +39,7 @@ def lr_factor(step: int, warmup: int, total: int, decay: str, min_factor: float)
     if decay == "none" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if decay == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_factor + (1.0 - min_factor) * shape
 
 

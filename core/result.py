@@ -3,6 +3,7 @@ and what it measured; built from a finished Trainer and written atomically by ra
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -39,10 +40,9 @@ def _git_commit(root: Path | None = None) -> str:
 
 def versions() -> dict:
     out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
-    try:  # the installed version, without importing torchao (only Float8 runs import it)
+    # the installed version, without importing torchao (only Float8 runs import it)
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         out["torchao"] = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        pass
     return out
 
 

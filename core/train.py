@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import math
 import multiprocessing
@@ -365,10 +366,8 @@ def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
 
 def before_fork(argv: list[str]) -> None:
     """Called by recipes/forked_run.py before it forks the ranks: import what the jobs import lazily."""
-    try:
+    with contextlib.suppress(ConfigError):  # each rank's main() reports it
         import_for(parse_jobs(argv))
-    except ConfigError:
-        pass  # each rank's main() reports it
 
 
 # Where this process's time went before the trainer (main() fills it; a grouped job has none).

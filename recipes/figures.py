@@ -82,12 +82,14 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
         1.0 if same or not (r.get("predicted") and r.get("step_s")) else 1000.0 / (r["predicted"] * r["step_s"])
         for r in rows
     ]
-    longest = max((sum(p.values()) * s for p, s in zip(parts, scale)), default=0.0)
+    longest = max((sum(p.values()) * s for p, s in zip(parts, scale, strict=True)), default=0.0)
     longest = longest if math.isfinite(longest) and longest > 0 else 1.0
     order: list[str] = []
     for p in parts:
         order += [k for k in p if k not in order]
-    shown = [k for k in order if any(p.get(k, 0.0) * s >= MIN_SHARE * longest for p, s in zip(parts, scale))]
+    shown = [
+        k for k in order if any(p.get(k, 0.0) * s >= MIN_SHARE * longest for p, s in zip(parts, scale, strict=True))
+    ]
 
     legend_in = 0.45 + 0.2 * math.ceil(len(shown) / 4)  # the legends' band under the axes, inches
     height = 1.9 + 0.55 * n + legend_in
@@ -112,9 +114,9 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
     colors = _colors(shown)
     left = [0.0] * n
     for key in shown:
-        widths = [p.get(key, 0.0) * s for p, s in zip(parts, scale)]
+        widths = [p.get(key, 0.0) * s for p, s in zip(parts, scale, strict=True)]
         ax_b.barh(y, widths, 0.6, left=left, label=key, color=colors[key])
-        left = [a + b for a, b in zip(left, widths)]
+        left = [a + b for a, b in zip(left, widths, strict=True)]
     for i, p in enumerate(parts):
         if not p:
             ax_b.text(0.0, i, "  no prediction", va="center", fontsize=8, color="gray")

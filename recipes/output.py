@@ -53,7 +53,7 @@ class JobLogs:
         path = self.by_output_dir.get(str(Path(output_dir).resolve()))
         if path is not None and Path(self.file.name) != path:
             self.file.close()
-            self.file = open(path, "wb")  # noqa: SIM115
+            self.file = open(path, "wb")  # noqa: SIM115 - the next job's log, closed by close() or the next switch
 
     def close(self) -> str:
         rest, self.pending = self.pending, ""

@@ -100,14 +100,17 @@ def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) 
     cols = [c for c in (COMPACT if compact else df.columns) if c in df.columns]
     shown = pd.DataFrame(
         {
-            c: [_fmt_cell(c, v, approx.get(rid, False) and c == "paper mem GiB") for v, rid in zip(df[c], df["recipe"])]
+            c: [
+                _fmt_cell(c, v, approx.get(rid, False) and c == "paper mem GiB")
+                for v, rid in zip(df[c], df["recipe"], strict=True)
+            ]
             for c in cols
         }
     )
     if compact and "predicted TPS/GPU" in cols:
         shown["predicted TPS/GPU"] = [
             f"{v} †" if v and isinstance(cal, str) else v
-            for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"])
+            for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"], strict=True)
         ]
     return shown.rename(columns=COMPACT if compact else {}).to_markdown(
         index=False, disable_numparse=True, colalign=["left"] + ["right" if compact else "left"] * (len(cols) - 1)
@@ -117,7 +120,7 @@ def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) 
 def _rows_by(labels, values) -> list[str]:
     """`(the rows, or all rows): value` for each non-empty value, first seen first."""
     out: dict[str, list[str]] = {}
-    for row, value in zip(labels, values):
+    for row, value in zip(labels, values, strict=True):
         if isinstance(value, str) and value:
             out.setdefault(value, []).append(row)
     return [f"({'all rows' if len(rows) == len(labels) else '; '.join(rows)}): {v}" for v, rows in out.items()]
@@ -138,7 +141,11 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
             f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
             "each row's dry-run record; `TPS error %` and `mem error %` are against the paper."
         )
-        cal = [f"{row} ({const})" for row, const in zip(df["row"], df["calibrated on"]) if isinstance(const, str)]
+        cal = [
+            f"{row} ({const})"
+            for row, const in zip(df["row"], df["calibrated on"], strict=True)
+            if isinstance(const, str)
+        ]
         lines.append(
             "- **calibration**: "
             + "; ".join(notes)
@@ -157,13 +164,15 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
     if "gain of" in df and any(r.baseline for r in recipes):
         lines.append(
             "- **gains** over the row's baseline: "
-            + "; ".join(f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"]) if isinstance(g, str))
+            + "; ".join(
+                f"{row} adds {g}" for row, g in zip(df["row"], df["gain of"], strict=True) if isinstance(g, str)
+            )
         )
     elif "gain of" in df:
         lines.append("- **gains**: each row over the previous one (`gain of` in the CSV says what changes)")
     prov = [
         ", ".join(x for x in t if isinstance(x, str) and x)
-        for t in zip(df["ours mode"], df["ours hardware"], df["ours versions"])
+        for t in zip(df["ours mode"], df["ours hardware"], df["ours versions"], strict=True)
     ]
     lines += [f"- **ours** {x}" for x in _rows_by(list(df["row"]), prov)]
     lines += [f"- **notes** {x}" for x in _rows_by(list(df["row"]), df["ours notes"])]

@@ -72,7 +72,7 @@ def _max_loss_delta(rec: dict, base: dict) -> float | None:
     n = min(len(a), len(b))
     if not n or len(a) != len(b):
         return None
-    return max(abs(float(x) - float(y)) for x, y in zip(a, b))
+    return max(abs(float(x) - float(y)) for x, y in zip(a, b, strict=False))
 
 
 def _dry_mem(rec: dict | None) -> float | None:

@@ -65,7 +65,7 @@ def run_trainer(
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a, b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def run_group(world: int, jobs: dict[str, list[str]], out: Path, strict: bool = True) -> dict[str, dict]:

@@ -37,7 +37,7 @@ def _records(offsets: dict[str, float], steps: int = 200, noise: float = 0.1) ->
             "mode": "proxy",
             "config": cfg,
             "world_size": 2,
-            "losses": [b + j + off for b, j in zip(base, jitter)],
+            "losses": [b + j + off for b, j in zip(base, jitter, strict=True)],
             "versions": {"torch": "x"},
             "hardware": {"device": "cpu"},
             "wall_s": 1.0,
@@ -135,7 +135,7 @@ def test_prefix_matches_golden(rid, tmp_path):
     gold = golden["rows"][rid]["losses"][:k]
     t0 = time.perf_counter()
     rec, _ = conv.run_row(registry.get(rid), conv.prefix_overrides(k), run_dir=tmp_path / "run", echo=False)
-    diff = max(abs(a - b) for a, b in zip(rec["losses"], gold))
+    diff = max(abs(a - b) for a, b in zip(rec["losses"], gold, strict=False))
     print(
         f"{rid}: {k} steps in {time.perf_counter() - t0:.0f} s, max |Δ| vs golden {diff:.2e} "
         f"(tolerance {tol:g}; golden made with {golden['versions']})"

@@ -37,7 +37,7 @@ def test_bf16_mm_and_bmm_are_the_rounded_fp32_product():
     exact = (a.float() @ b.float()).to(BF16), (c.float() @ d.float()).to(BF16)
     assert torch.equal(routed[0], exact[0]) and torch.equal(routed[1], exact[1]) and torch.equal(routed[2], exact[0])
     assert routed[0].dtype == routed[1].dtype == BF16 and routed[2].shape == (96, 40)  # out= resized
-    for n, r in zip(native, routed):
+    for n, r in zip(native, routed, strict=True):
         assert torch.allclose(n.float(), r.float(), rtol=2**-7, atol=1e-2)  # one bf16 step
         assert (n == r).float().mean() > 0.99
 
@@ -76,7 +76,7 @@ def test_autograd_of_a_bf16_linear_goes_through_the_route():
         y = F.linear(xi, wi)
         (y.float() * torch.linspace(-1, 1, 32)).sum().backward()
         grads[mode] = (y, xi.grad, wi.grad)
-    for n, r in zip(grads["native"], grads["fp32"]):
+    for n, r in zip(grads["native"], grads["fp32"], strict=True):
         assert r.dtype == BF16 and torch.allclose(n.float(), r.float(), rtol=2**-7, atol=1e-2)
 
 

@@ -55,7 +55,7 @@ def take(loader, n):
 
 def assert_batches_equal(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -199,7 +199,7 @@ def test_packing_is_the_document_stream_cut_into_windows():
     for x, y in batches:
         assert x.shape == y.shape == (B, S) and x.dtype == y.dtype == torch.int64
         assert torch.equal(x[:, 1:], y[:, :-1])  # labels are the inputs shifted by one
-        for row_x, row_y in zip(x, y):
+        for row_x, row_y in zip(x, y, strict=True):
             got.extend(row_x.tolist() + row_y[-1:].tolist())  # a window of S + 1 tokens
     assert got == stream[: len(got)]  # nothing dropped, reordered or overlapped
 

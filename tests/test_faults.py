@@ -302,12 +302,12 @@ def test_fast_exit_keeps_exit_code_atexit_and_writes(with_thread):
         "import atexit, sys, threading, time\n"
         "from core.train import exit_process\n"
         "atexit.register(lambda: print('atexit ran'))\n"
-        "if %r:\n"
+        f"if {with_thread!r}:\n"
         "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"
         "sys.stdout.write('buffered ')\n"
         "exit_process(3)\n"
         "print('unreachable')\n"
-    ) % with_thread
+    )
     proc = subprocess.run(
         [launcher.sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )

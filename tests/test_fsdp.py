@@ -52,7 +52,7 @@ def test_fsdp_shards_state_across_ranks(tmp_path_factory):
     r4 = GROUPS.get("fsdp.fsdp4", tmp_path_factory)  # dp_shard=4
     assert (r1["world_size"], r4["world_size"], r4["config"]["parallelism"]["dp_shard"]) == (1, 4, 4)
     total1 = r1["param_bytes_per_rank"][0] + r1["optimizer_bytes_per_rank"][0]
-    per_rank4 = [p + o for p, o in zip(r4["param_bytes_per_rank"], r4["optimizer_bytes_per_rank"])]
+    per_rank4 = [p + o for p, o in zip(r4["param_bytes_per_rank"], r4["optimizer_bytes_per_rank"], strict=True)]
     assert max(per_rank4) < total1 / 3.5  # dim-0 sharding with padding: close to 1/4
     assert abs(sum(per_rank4) - total1) / total1 < 0.05
 

@@ -251,7 +251,10 @@ def _check_pp_record(rec: dict, schedule: str, pp: int, micro: int, flavor: str,
         # 1e-3: torch's fp32 CPU norm kernel alone differs by ~5e-5 between a sharded and a
         # whole output-projection gradient; a wrong scale would be off by >= 2x.
         base = no_pp["grad_norms"]
-        assert max(abs(a - b) / b for a, b in zip(rec["grad_norms"], base)) < 1e-3, (rec["grad_norms"], base)
+        assert max(abs(a - b) / b for a, b in zip(rec["grad_norms"], base, strict=True)) < 1e-3, (
+            rec["grad_norms"],
+            base,
+        )
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_readme_table_is_the_registry():
     assert table == res.output.strip("\n"), "README's recipe table is stale: run `python -m recipes.readme`"
     body = table.splitlines()[2:]
     assert len(body) == len(registry.all_recipes()) == 22
-    for r, line in zip(registry.all_recipes(), body):
+    for r, line in zip(registry.all_recipes(), body, strict=True):
         assert f"`run-recipe run {r.id}`" in line and f"results/{r.table}.md" in line
         assert f"proxy: {r.world('proxy')} CPU ranks" in line
         assert ("--slurm" in line) == (r.nnodes() > 1)

@@ -123,7 +123,7 @@ def test_step_time_includes_the_data_and_records_it_apart(pg, tmp_path, monkeypa
     trainer.dataloader = Slow()
     rec = trainer.train()
     assert len(rec["data_times_s"]) == 3 and min(rec["data_times_s"]) >= 0.3
-    assert all(s >= d for s, d in zip(rec["step_times_s"], rec["data_times_s"]))
+    assert all(s >= d for s, d in zip(rec["step_times_s"], rec["data_times_s"], strict=True))
     assert min(rec["step_times_s"]) >= 0.3 and rec["data_time_s"] >= 0.3
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(x["data_time_s"] >= 0.3 for x in lines)
@@ -177,7 +177,7 @@ def test_per_rank_sharding_reads_only_its_own_documents_and_resumes_exactly():
     again = _synthetic(2, 4, "per_rank")
     again.load_state_dict(json.loads(json.dumps(state)))
     got = [next(again) for _ in range(3)]
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got, strict=True))
     for other in (_synthetic(1, 4, "per_rank"), _synthetic(2, 8, "per_rank"), _synthetic(2, 4, "global")):
         with pytest.raises(ValueError, match="sharding"):
             other.load_state_dict(state)

@@ -423,7 +423,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         tails = [
             sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
         ]
-        ends = [f + tl for f, tl in zip(free1, tails)]
+        ends = [f + tl for f, tl in zip(free1, tails, strict=True)]
         r = max(range(p.pp), key=lambda i: ends[i])
         fb = accum * ends[r]
         for sid, _ in placement[r]:

@@ -218,9 +218,6 @@ def load_hf(folder: str) -> tuple[dict[str, torch.Tensor], ModelArgs]:
 
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    if "titan_model_args" in cfg:
-        args = ModelArgs(**cfg["titan_model_args"])
-    else:
-        args = args_from_hf_config(cfg)
+    args = ModelArgs(**cfg["titan_model_args"]) if "titan_model_args" in cfg else args_from_hf_config(cfg)
     hf_sd = load_file(os.path.join(folder, "model.safetensors"))
     return from_hf_state_dict(hf_sd, args), args

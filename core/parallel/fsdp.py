@@ -31,12 +31,9 @@ def apply_fsdp(
     pp_enabled: bool = False,
 ) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    if reshard_after_forward == "default":
-        # With PP, several microbatches reuse the parameters between forward and backward:
-        # keeping them gathered saves one all-gather per microbatch.
-        reshard = not pp_enabled
-    else:
-        reshard = reshard_after_forward == "always"
+    # default: with PP, several microbatches reuse the parameters between forward and backward,
+    # and keeping them gathered saves one all-gather per microbatch.
+    reshard = not pp_enabled if reshard_after_forward == "default" else reshard_after_forward == "always"
     layers = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
     for i, block in enumerate(layers):
         # The last block's parameters are needed again at once by backward: keep them.

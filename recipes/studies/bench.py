@@ -74,7 +74,9 @@ def fsdp_state_bytes(worlds=(1, 2, 4), flavor: str = "debug") -> dict[int, int]:
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             rec = launcher.launch_trainer(world, synthetic_job(flavor, 64, 2, 2), Path(tmp))
-        out[world] = max(p + o for p, o in zip(rec["param_bytes_per_rank"], rec["optimizer_bytes_per_rank"]))
+        out[world] = max(
+            p + o for p, o in zip(rec["param_bytes_per_rank"], rec["optimizer_bytes_per_rank"], strict=True)
+        )
     return out
 
 

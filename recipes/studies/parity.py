@@ -117,7 +117,7 @@ def compare(layout: Layout, dtype: str, record: dict, wall: float) -> dict:
     max_norm = next(float(o.split("=")[1]) for o in BASE if o.startswith("--training.max_norm="))
     tol = layout.tolerance or TOLERANCE[dtype]
     # the sharded grad-norm (DTensor placements of FSDP x TP, summed over pp) vs the plain one
-    norm_diffs = [abs(a - b) / b for a, b in zip(record["grad_norms"], ref.get("grad_norms", []))]
+    norm_diffs = [abs(a - b) / b for a, b in zip(record["grad_norms"], ref.get("grad_norms", []), strict=False)]
     return {
         "layout": layout.name,
         "world_size": layout.world_size,

@@ -89,7 +89,7 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     )
     ids = [s.stage_index for s in schedule_stages(schedule)] if schedule is not None else [0]
     stages = {}
-    for sid, part in zip(ids, parts):
+    for sid, part in zip(ids, parts, strict=True):
         params = {}
         for name, p in part.named_parameters():
             whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -298,7 +298,7 @@ def run_preflight(out: Path, real: bool) -> Preflight:
             ", ".join(rec["toggles_applied"]),
         )
         if ref is not None:
-            diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"]))
+            diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=False))
             pf.verdict(
                 "loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
                 len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
