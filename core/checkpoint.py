@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import shutil
 import sys
 import time
@@ -54,29 +53,34 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from core.checkpoint_files import (
     DTYPES,
-    INFO,
-    MANIFEST,
-    METADATA,
-    TMP,
-    CheckpointError,
     CheckpointException,
     _cause,
     check_files,
     check_shapes,
-    complete_steps,
     export_hf,
     import_hf,
     model_shape,
-    move_aside_if_damaged,
-    read_info,
     read_metadata,
-    resolve,
     save_error,
+)
+from core.checkpoint_folder import (
+    INFO,
+    MANIFEST,
+    METADATA,
+    CheckpointError,
+    complete_steps,
+    publish,
+    purge,
+    read_info,
+    resolve,
+    stale_tmp_dirs,
+    tmp_dir,
     verify_before_load,
     write_manifest,
 )
 from core.checkpoint_state import ModelParts
 from core.config import JobConfig
+from core.fileio import atomic_write_json
 from core.models.args import ModelArgs
 from core.noise import quiet_library_warnings
 
@@ -155,7 +159,7 @@ class Checkpointer:
         path = None
         error = None
         if self.rank == 0:
-            for stale in self.folder.glob(f"step-*{TMP}") if self.folder.is_dir() else []:
+            for stale in stale_tmp_dirs(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
             try:
                 path = resolve(self.folder, c.load_step, c.resume_from)
@@ -313,7 +317,7 @@ class Checkpointer:
         state = self._state(step, model_only, dtype)
         kind = "seed" if seed else "model" if model_only else "full"
         info = self._info(step, kind, c.export_dtype if dtype else "float32")
-        tmp = self.folder / f"step-{step}{TMP}"
+        tmp = tmp_dir(self.folder, step)
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
         # The last save has nothing left to overlap with: synchronous.
@@ -395,20 +399,12 @@ class Checkpointer:
         if self.rank != 0:
             return
         try:
-            (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
+            atomic_write_json(tmp / INFO, info, indent=1)
             self.last_bytes = write_manifest(tmp)
-            final = self.folder / f"step-{step}"
-            move_aside_if_damaged(final)
-            if final.exists():  # a re-run of the same step (load_step into the past): replace it
-                old = self.folder / f"step-{step}.old{TMP}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            publish(tmp, self.folder, step)
         except OSError as e:
             self._failed(step, tmp, "finalize", e)
-        self._purge()
+        purge(self.folder, self.keep_latest_k)
 
     def _failed(self, step: int, tmp: Path, what: str, e: BaseException) -> None:
         """A failed save: remove its partial folder (rank 0), keep the latest complete checkpoint,
@@ -419,14 +415,6 @@ class Checkpointer:
             p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters()
         )
         raise save_error(self.folder, tmp, step, what, e, need) from None
-
-    def _purge(self) -> None:
-        """keep_latest_k: drop the oldest complete checkpoints (the step-0 seed is kept)."""
-        if self.keep_latest_k <= 0:
-            return
-        steps = [s for s in complete_steps(self.folder) if s > 0]
-        for s in steps[: -self.keep_latest_k]:
-            shutil.rmtree(self.folder / f"step-{s}", ignore_errors=True)
 
     def close(self) -> None:
         """Wait for the save in flight and release the background resources."""

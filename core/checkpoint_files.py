@@ -1,7 +1,6 @@
-"""A checkpoint folder on disk, without a process group: which steps are complete, reading and
-checking one before it is loaded, and the single-process tools (full weights, Hugging Face
-export / import). The Checkpointer (core/checkpoint.py) writes and loads through these.
-"""
+"""A checkpoint's contents, without a process group: DCP's errors in one line, its metadata and
+shards checked before anything is loaded, and the single-process tools (full weights, Hugging
+Face export / import). The folder's layout and names: core/checkpoint_folder.py."""
 
 from __future__ import annotations
 
@@ -9,9 +8,7 @@ import dataclasses
 import errno
 import json
 import os
-import re
 import shutil
-import zlib
 from pathlib import Path
 
 import torch
@@ -19,22 +16,23 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from core.checkpoint_folder import (
+    INFO,
+    METADATA,
+    TMP,
+    CheckpointError,
+    complete_steps,
+    is_checkpoint,
+    read_info,
+    rename_complete,
+)
+from core.fileio import atomic_write_json
 from core.models.args import ModelArgs
 from core.models.hf_convert import load_hf, save_hf
 
-STEP_RE = re.compile(r"^step-(\d+)$")
-TMP = ".tmp"
-INFO = "titan.json"
-METADATA = ".metadata"
-MANIFEST = "manifest.json"  # per-file sizes and CRC32s, written last
-CHUNK = 1 << 22
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ModelArgs fields that fix parameter shapes: a checkpoint must agree on all of them.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
 
 
 # ------------------------------------------------------------------------- DCP's exceptions
@@ -75,165 +73,6 @@ def save_error(folder: Path, tmp: Path, step: int, what: str, e: BaseException, 
             f"{free / 2**20:.1f} MiB free on {folder} ({cause})"
         )
     return CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, {kept}")
-
-
-# ------------------------------------------------------------------------------------ folders
-def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
-    """{step: path} of the complete checkpoints in `folder` (renamed and with DCP metadata)."""
-    folder, out = Path(folder), {}
-    if folder.is_dir():
-        for p in folder.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / METADATA).is_file():
-                out[int(m.group(1))] = p
-    return dict(sorted(out.items()))
-
-
-def incomplete_steps(folder: str | os.PathLike) -> dict[int, Path]:
-    """{step: path} of `step-N` folders (renamed, so once complete) that lack DCP metadata."""
-    folder, out = Path(folder), {}
-    if folder.is_dir():
-        for p in folder.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and not (p / METADATA).is_file():
-                out[int(m.group(1))] = p
-    return dict(sorted(out.items()))
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_manifest(folder: Path) -> int:
-    """Record every file's size and CRC32 in `MANIFEST`, written last (through a temporary name)
-    so that its presence means the rest was complete. Returns the folder's total bytes."""
-    # the DCP files; titan.json is ours, checked as it is parsed, and may be edited or dropped
-    files = {
-        p.name: {"size": p.stat().st_size, "crc32": _crc32(p)}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in (MANIFEST, INFO)
-    }
-    tmp = folder / f"{MANIFEST}{TMP}"
-    tmp.write_text(json.dumps({"algorithm": "crc32", "files": files}, indent=1) + "\n")
-    os.replace(tmp, folder / MANIFEST)
-    return sum(f["size"] for f in files.values()) + (folder / INFO).stat().st_size
-
-
-def verify_manifest(path: Path) -> None:
-    """Every file the manifest lists is there, of its size and CRC32; CheckpointError naming the
-    first that is not. Checkpoints written before manifests existed (no file) pass."""
-    f = path / MANIFEST
-    if not f.is_file():
-        if read_info(path).get("manifest"):
-            raise CheckpointError(f"{f}: missing, though {INFO} says the checkpoint was saved with one")
-        return
-    try:
-        files = json.loads(f.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{f}: corrupted checkpoint manifest ({e})") from None
-    for name, want in files.items():
-        g = path / name
-        if not g.is_file():
-            raise CheckpointError(f"{g}: missing (listed in {MANIFEST})")
-        size = g.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(f"{g}: {size} bytes, the manifest says {want['size']} (truncated or grown)")
-        if _crc32(g) != want["crc32"]:
-            raise CheckpointError(
-                f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
-                "after the save (disk or copy corruption)"
-            )
-
-
-def verify_before_load(path: Path) -> int:
-    """verify_manifest, with how to go on from the previous step when it fails; the bytes on disk."""
-    try:
-        verify_manifest(path)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}; {damaged_hint(path, path.parent)}") from None
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-
-
-def move_aside_if_damaged(final: Path) -> None:
-    """A `step-N` without DCP metadata about to be replaced by a new save: kept aside, and said."""
-    if final.exists() and not (final / METADATA).is_file():
-        aside = final.with_name(f"{final.name}.damaged-{os.getpid()}")
-        os.replace(final, aside)
-        print(f"[checkpoint] {final} had no {METADATA} (damaged); moved to {aside}", flush=True)
-
-
-def damaged_hint(path: Path, folder: Path) -> str:
-    """How to go on without a damaged checkpoint: the previous complete step, if any."""
-    older = [
-        s
-        for s in complete_steps(folder)
-        if folder / f"step-{s}" != path and (not STEP_RE.match(path.name) or s < int(STEP_RE.match(path.name).group(1)))
-    ]
-    if not older:
-        return f"no earlier complete checkpoint in {folder}; move {path.name} aside to start fresh"
-    return (
-        f"nothing was loaded or changed; to resume from step {older[-1]}, move it aside "
-        f"(mv {path} {path}.damaged) or set checkpoint.load_step={older[-1]}"
-    )
-
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / METADATA).is_file()
-
-
-def resolve(folder: Path, load_step: int = -1, resume_from: str = "") -> Path | None:
-    """Which checkpoint a run loads: our own folder first (a restarted run continues from its
-    own latest), then `resume_from` (a step folder, or a folder of them). None: start fresh."""
-    own = complete_steps(folder)
-    if load_step >= 0 and load_step in own:
-        return own[load_step]
-    newer = [p for s, p in incomplete_steps(folder).items() if load_step < 0 and s > max(own, default=-1)]
-    if newer:  # never skipped (and later overwritten) without a word
-        raise CheckpointError(
-            f"{newer[-1] / METADATA}: missing: {newer[-1].name} is not a complete checkpoint "
-            f"but newer than every complete one; {damaged_hint(newer[-1], folder)}"
-        )
-    if load_step < 0 and own:
-        return own[max(own)]
-    if resume_from:
-        source = Path(resume_from)
-        if not source.exists():
-            raise CheckpointError(f"{source}: checkpoint.resume_from does not exist")
-        if is_checkpoint(source):
-            return source
-        steps = complete_steps(source)
-        if not steps:
-            raise CheckpointError(
-                f"{source}: checkpoint.resume_from holds no complete checkpoint (no {METADATA}, no step-N/{METADATA})"
-            )
-        if load_step < 0:
-            return steps[max(steps)]
-        if load_step in steps:
-            return steps[load_step]
-        raise CheckpointError(
-            f"{source / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-            f"(complete checkpoints there: {sorted(steps)})"
-        )
-    if load_step >= 0:
-        raise CheckpointError(
-            f"{folder / f'step-{load_step}'}: checkpoint.load_step {load_step} not found "
-            f"(complete checkpoints: {sorted(own) or 'none'})"
-        )
-    return None
-
-
-def read_info(path: Path) -> dict:
-    f = path / INFO
-    if not f.is_file():
-        return {}
-    try:
-        return json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: corrupted checkpoint info ({e})") from None
 
 
 def read_metadata(path: Path):
@@ -357,6 +196,6 @@ def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 
         "source": str(hf_folder),
         "torch": torch.__version__,
     }
-    (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, out)
+    atomic_write_json(tmp / INFO, info, indent=1)
+    rename_complete(tmp, out)
     return out

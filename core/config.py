@@ -19,6 +19,7 @@ from typing import Any, Literal
 import tomllib
 
 from core.errors import ConfigError
+from core.fileio import atomic_write_json
 from core.parallel.stages import PPSchedule
 
 # ------------------------------------------------------------------------------- enum-like fields
@@ -416,4 +417,4 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, bas
 
 
 def save_config(cfg: JobConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    atomic_write_json(path, cfg.to_dict())

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
+from core.fileio import atomic_write
+
 FR_PREFIX = "rank_"  # NCCL's watchdog dump (TORCH_FR_DUMP_TEMP_FILE + rank), and ours on gloo
 OWN_PREFIX = "titan_rank_"  # our own dumps on CUDA (failure, SIGTERM): never the watchdog's file
 PAUSE_ENV = "TITAN_DEBUG_PAUSE"
@@ -125,10 +127,7 @@ def _dump(cfg, reason: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     # NCCL's watchdog may write rank_<R> at the same moment (a timeout then SIGTERM): our own name
     path = folder / f"{OWN_PREFIX if cuda else FR_PREFIX}{rank}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(data))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, pickle.dumps(data))
 
 
 def dump_on_sigterm(cfg) -> None:
@@ -258,9 +257,7 @@ def maybe_pause(step: int, output_dir: str | os.PathLike, rank: int) -> None:
         return
     folder = Path(output_dir) / "debug"
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"pid_rank_{rank}.tmp"
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, folder / f"pid_rank_{rank}")
+    atomic_write(folder / f"pid_rank_{rank}", str(os.getpid()))
     print(f"[debug] rank {rank} (pid {os.getpid()}) pausing {seconds:g} s after step {step}", flush=True)
     time.sleep(seconds)
 

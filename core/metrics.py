@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from core import cpu_gemm
+from core.fileio import atomic_write, atomic_write_json
 from core.models.args import ModelArgs, param_count
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
@@ -78,10 +79,7 @@ def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> flo
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key not in table:
         table[key] = measure_cpu_peak_flops(getattr(torch, dtype))
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=2))
-        tmp.replace(path)
+        atomic_write_json(path, table)
     return table[key]
 
 
@@ -194,6 +192,4 @@ def trim_metrics(path: Path, last_step: int) -> None:
         return
     with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
         f.write("".join(m + "\n" for m in moved))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    tmp.replace(path)
+    atomic_write(path, "".join(k + "\n" for k in keep))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.metadata
-import json
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -18,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from core import cpu_gemm
 from core.config import JobConfig, save_config
+from core.fileio import atomic_write_json
 from core.metrics import device_info, peak_memory_gib
 from core.models.args import shape_record
 from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
@@ -154,7 +153,5 @@ def write_result(cfg: JobConfig, record: dict) -> None:
     """result.json and config.json in job.output_dir (rank 0 calls it)."""
     out = Path(cfg.job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"result.json.{os.getpid()}.tmp"  # unique: a reader sees the old record or the new
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out / "result.json")
+    atomic_write_json(out / "result.json", record)  # a reader sees the old record or the new
     save_config(cfg, out / "config.json")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from core import cpu_gemm
 from core.build import build_model, schedule_stages, with_attention_dtype
 from core.checkpoint import Checkpointer
-from core.checkpoint_files import CheckpointError
+from core.checkpoint_folder import CheckpointError
 from core.checkpoint_state import TrainState
 from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
 from core.data.datasets import BadDocumentError, build_dataloader

@@ -14,6 +14,7 @@ from core.config import JobConfig, apply_dict
 from core.dryrun import calibrate as calibrate_mod
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 from core.dryrun.record import dry_run, predicted_record
+from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, registry
 
 CSV_COLUMNS = (
@@ -75,12 +76,12 @@ def write_dry_run_table(records: list[dict], out_dir, references: dict[str, dict
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out / "dry_run.csv", out / "dry_run.md"
-    with open(csv_path, "w", newline="") as f:
+    with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         w.writeheader()
         for row in rows:
             w.writerow({k: ("" if row[k] is None else row[k]) for k in CSV_COLUMNS})
-    md_path.write_text(_markdown(rows, {r["recipe"]: r for r in records}))
+    atomic_write(md_path, _markdown(rows, {r["recipe"]: r for r in records}))
     return csv_path, md_path
 
 
@@ -424,7 +425,7 @@ def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate):
         dest.mkdir(parents=True, exist_ok=True)
         for r in registry.all_recipes():
             rec = dry_run(launcher.resolve_config(r, "dry-run"), fake=not no_fake, **gpu_kw)
-            (dest / f"{r.fname}.json").write_text(json.dumps(rec, indent=2, default=str) + "\n")
+            atomic_write_json(dest / f"{r.fname}.json", rec, default=str)
             click.echo(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, {rec['dry_run_s']} s")
     if predict:
         known = {r.id for r in registry.all_recipes()}
@@ -439,7 +440,7 @@ def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate):
                 else launcher.resolve_config(registry.get(rec["recipe"]), "dry-run")
             )
             rec["predicted"] = predicted_record(cfg, **gpu_kw)
-            path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+            atomic_write_json(path, rec, default=str)
     records = records_from_dir(records_dir)
     if not records:
         raise click.ClickException(f"no dry-run records under {dest}: run `run-recipe run --table <t> --mode dry-run`")

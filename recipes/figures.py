@@ -10,6 +10,8 @@ from pathlib import Path
 import matplotlib
 import pandas as pd
 
+from core.fileio import atomic_path
+
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # after choosing the backend
 
@@ -140,11 +142,9 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
             fontsize=8,
             frameon=False,
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")  # renamed, so a reader never sees half a file
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    with atomic_path(path) as tmp:  # renamed, so a reader never sees half a file
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

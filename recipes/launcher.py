@@ -13,14 +13,14 @@ import datetime
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
+from core.checkpoint_folder import CheckpointError, complete_steps, resolve_source, start_step
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
+from core.fileio import atomic_copy, atomic_write_json
 from core.validate import validate
 from recipes.cluster_env import CUDA_ALLOC_CONF
 from recipes.output import stream
@@ -174,19 +174,6 @@ def write_job(cfg: JobConfig, run_dir: Path) -> Path:
     return path
 
 
-def atomic_copy(src: Path, dest: Path) -> Path:
-    """Copy through a temporary name unique to this process and an atomic rename: concurrent
-    writers never collide on the temporary, and a reader sees the old file or the new one."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
-
-
 def copy_record(result: Path, records_dir: Path | None, mode: str, recipe: Recipe) -> Path | None:
     if records_dir is None:
         return None
@@ -270,26 +257,17 @@ def run_dir_lock(run_dir: Path):
 
 def checkpoint_steps(cfg: JobConfig, run_dir: Path) -> list[int]:
     """Complete checkpoint steps the run in `run_dir` would resume from (torch-free scan)."""
-    folder = Path(run_dir) / cfg.checkpoint.folder
-    if not cfg.checkpoint.enabled or not folder.is_dir():
-        return []
-    return sorted(
-        int(p.name[5:]) for p in folder.glob("step-*") if p.name[5:].isdigit() and (p / ".metadata").is_file()
-    )
+    return list(complete_steps(Path(run_dir) / cfg.checkpoint.folder)) if cfg.checkpoint.enabled else []
 
 
 def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
-    """(step, folder) a run starts at from checkpoint.resume_from: a full checkpoint's step (a
-    weights-only one starts at 0), read from its titan.json without torch."""
-    src, c = Path(cfg.checkpoint.resume_from), cfg.checkpoint
-    if not (src / ".metadata").is_file():
-        steps = sorted(int(p.name[5:]) for p in src.glob("step-*") if p.name[5:].isdigit())
-        src = src / f"step-{c.load_step if c.load_step >= 0 else (steps or [0])[-1]}"
+    """(step, folder) a run starts at from checkpoint.resume_from (core.checkpoint_folder's
+    choice, without torch); None when that choice fails: the trainer names why."""
     try:
-        info = json.loads((src / "titan.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        src = resolve_source(Path(cfg.checkpoint.resume_from), cfg.checkpoint.load_step)
+        return start_step(src), src
+    except CheckpointError:
         return None
-    return (int(info.get("step", 0)), src) if info.get("kind") == "full" else None
 
 
 def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
@@ -380,9 +358,7 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     record.setdefault("mode", "dry-run")
     record.setdefault("config", cfg.to_dict())
     record.setdefault("finished_at", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    tmp = run_dir / f".result.json.{os.getpid()}.tmp"  # a reader sees no half-written record
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, run_dir / "result.json")
+    atomic_write_json(run_dir / "result.json", record, default=str)
     return record
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from core.fileio import atomic_write
 from core.validate import resolve_world_size
 from recipes import registry
 from recipes.launcher import project_root
@@ -86,7 +87,7 @@ def update_readme(path: Path | None = None) -> bool:
     if old == new:
         return False
     head, rest = text.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n" + new + "\n" + END + rest.split(END, 1)[1])
+    atomic_write(path, head + BEGIN + "\n" + new + "\n" + END + rest.split(END, 1)[1])
     return True
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from core.fileio import atomic_path, atomic_write
 from recipes import figures, loss_curves, registry
 from recipes.launcher import relative
 from recipes.schema import TABLES, Recipe
@@ -42,15 +43,11 @@ def write_csv(path: str | Path, rows: list[dict], columns: list[str] | tuple[str
     """Every CSV the harness writes besides the pandas tables: `columns` in order (other keys of a
     row are left out; None is an empty cell), written to a temporary file and renamed, so a
     reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    tmp.replace(path)
-    return path
+    return Path(path)
 
 
 def table_csv_name(table: str) -> str:
@@ -271,7 +268,7 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
             files, section = loss_curves.write_outputs(proxy, out)
             written += files
             md += [section]
-        (out / f"{table}.md").write_text("\n".join(md))
+        atomic_write(out / f"{table}.md", "\n".join(md))
         index.append((table, meta.get("title", table), len(df), n_ours, csv_name, fig))
 
     lines = [
@@ -310,7 +307,7 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
         lines.append(pd.DataFrame(rec_rows).astype(str).to_markdown(index=False, disable_numparse=True))
     else:
         lines.append("No records yet: run `run-recipe run <id> --mode proxy` (or real, dry-run).")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out / "README.md", "\n".join(lines) + "\n")
     written.append(out / "README.md")
     return written
 

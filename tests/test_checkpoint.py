@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from core.checkpoint import main as ckpt_main
-from core.checkpoint_files import CheckpointError, complete_steps, import_hf, load_model_weights, read_metadata, resolve
+from core.checkpoint_files import import_hf, load_model_weights, read_metadata
+from core.checkpoint_folder import CheckpointError, complete_steps, resolve
 from core.config import ConfigError, load_config
 from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer

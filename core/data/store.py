@@ -12,10 +12,11 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+from core.fileio import atomic_write
 
 LICENSES = {
     "llama3": (
@@ -78,21 +79,6 @@ def log(msg: str) -> None:
     print(f"[assets] {msg}", file=sys.stderr, flush=True)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -117,7 +103,7 @@ def read_manifest(root: Path) -> dict:
 def update_manifest(root: Path, key: str, entry: dict) -> None:
     manifest = read_manifest(root)
     manifest.setdefault("assets", {})[key] = entry
-    atomic_write_bytes(root / "MANIFEST.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write(root / "MANIFEST.json", json.dumps(manifest, indent=2) + "\n", fsync=True)
 
 
 def manifest_files_ok(root: Path, key: str) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from core.fileio import atomic_write_json
 from recipes import launcher, results, table_data
 from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
@@ -136,9 +137,7 @@ def run_row(
     record = json.loads(result.read_text())
     if record.get("start_step"):
         record = _stitch(run_dir, record, attempt)
-        tmp = result.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(result)
+        atomic_write_json(result, record)
     launcher.copy_record(result, records_dir, "proxy", recipe)
     return record, wall
 
@@ -250,9 +249,7 @@ def convergence(steps, only, records_dir, out_dir, golden):
         if not all_full:
             click.echo("error: --golden needs full-length records of every row", err=True)
             sys.exit(2)
-        path = golden_path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(golden_payload(records), indent=1) + "\n")
+        path = atomic_write_json(golden_path(out), golden_payload(records), indent=1)
         click.echo(str(path))
     if any(res.get("passed") is False for res in checked):
         sys.exit(1)

@@ -24,6 +24,7 @@ from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from core.config import load_config
+from core.fileio import atomic_write_json
 from core.train import Trainer, init_distributed
 from core.validate import validate
 from recipes import launcher
@@ -54,7 +55,7 @@ def _worker(out: str, overrides: list[str]) -> int:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         if dist.get_rank() == 0:
-            Path(out).write_text(json.dumps(every))
+            atomic_write_json(out, every, indent=None)
     finally:
         dist.destroy_process_group()
     return 0
@@ -127,17 +128,14 @@ def cp_memory(cps, seq, flavor, out, worker, overrides):
             ],
         )
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "flavor": flavor,
-                "method": "torch.distributed._tools.mem_tracker.MemTracker, one training step after a warm-up step",
-                "rows": rows,
-            },
-            indent=1,
-        )
-        + "\n"
+    atomic_write_json(
+        out,
+        {
+            "flavor": flavor,
+            "method": "torch.distributed._tools.mem_tracker.MemTracker, one training step after a warm-up step",
+            "rows": rows,
+        },
+        indent=1,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
+from core.fileio import atomic_write, atomic_write_json
 from recipes.results import read_csv, write_csv
 from recipes.studies.parity_layouts import (
     BASE,
@@ -62,9 +63,8 @@ def write_results(rows: list[dict], results_dir: Path) -> None:
         merged.values(), key=lambda r: (r["dtype"] != "fp32", r["dtype"], order.get(r["layout"], 1e9), r["layout"])
     )
     write_csv(csv_path, [{c: _fmt_csv(r[c]) for c in CSV_COLUMNS} for r in keyed], CSV_COLUMNS)
-    (detail_path.parent).mkdir(parents=True, exist_ok=True)
-    detail_path.write_text(json.dumps(details, indent=1, sort_keys=True) + "\n")
-    md_path.write_text(markdown(keyed, details))
+    atomic_write_json(detail_path, details, indent=1, sort_keys=True)
+    atomic_write(md_path, markdown(keyed, details))
 
     for dtype in sorted({r["dtype"] for r in rows}):
         path = results_dir / "golden" / f"loss_parity_{dtype}.json"
@@ -94,7 +94,7 @@ def write_results(rows: list[dict], results_dir: Path) -> None:
             if r["reference"]:
                 refs[reference_key(BY_NAME[r["layout"]], dtype)] = r["reference"]
         golden["versions"] = versions()
-        path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        atomic_write_json(path, golden, indent=1, sort_keys=True)
 
 
 def reference_key(layout: Layout, dtype: str) -> str:

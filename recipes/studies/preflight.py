@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from core.fileio import atomic_write_json
 from recipes import launcher
 
 STEPS = 6
@@ -152,9 +153,7 @@ def _worker_main(argv: list[str]) -> int:
     quiet_library_warnings()
     report = init_report(overrides, per_stage=not a.same_seed_every_stage)
     if report is not None:
-        tmp = Path(a.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(report))
-        tmp.replace(a.out)
+        atomic_write_json(a.out, report, indent=None)
     dist.destroy_process_group()
     return 0
 

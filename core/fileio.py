@@ -1,0 +1,55 @@
+"""The one way this project replaces a file: write a temporary file beside it, then rename it over
+the old one (`os.replace` is atomic on one file system). A reader sees the old content or the new,
+never half of either; a crash leaves at most a hidden `.<name>.<random>.tmp`, never a torn file.
+The temporary name is unique (mkstemp), so concurrent writers of one file never collide on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that wants a file name (csv, savefig, ...);
+    renamed over `path` when the block ends without an exception, removed otherwise. `fsync`:
+    flush the data to the disk before the rename (assets, checkpoints' own files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a replaced file reads as any other
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> Path:
+    """Replace `path` with `data` (text is written as UTF-8)."""
+    with atomic_path(path, fsync) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj, indent: int | None = 2, **dumps_kwargs) -> Path:
+    """Replace `path` with `obj` as JSON and a final newline."""
+    return atomic_write(path, json.dumps(obj, indent=indent, **dumps_kwargs) + "\n")
+
+
+def atomic_copy(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Replace `dest` with a copy of `src`."""
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
+    return Path(dest)
