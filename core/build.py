@@ -1,5 +1,6 @@
 """The one model builder: model args -> model (meta, or initialised on CPU) -> pipeline split or
-parallelize -> materialise. The trainer, the dry-run's fake step and the reference all call it.
+parallelize -> materialise. The trainer, the dry-run's fake step and preflight call it; the
+single-process reference starts from the same whole model (`create_model`), unparallelized.
 
 Two ways to initialise (`model.init_device`):
 - whole ("auto" on CPU): the whole model is initialised on every rank from the same seed (the
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,21 +27,22 @@ from torch.distributed.tensor import _random as dtensor_random
 
 from core.config import JobConfig
 from core.models.args import ModelArgs
-from core.models.llama3 import Transformer
+from core.models.llama3 import create_model
 from core.parallel.mesh import ParallelDims, WorldMesh, spmd_mesh
 from core.parallel.parallelize import Toggles, parallelize
 from core.parallel.pipeline import build_pipeline
 
 
-def init_model(args: ModelArgs, meta: bool = False) -> Transformer:
-    """The whole model: on the meta device (no storage), or on CPU initialised from torch's
-    current RNG state."""
-    if meta:
-        with torch.device("meta"):
-            return Transformer(args)
-    model = Transformer(args)
-    model.init_weights()
-    return model
+@dataclass
+class BuiltModel:
+    """What build_model hands back for this rank: its model parts (one, or its pipeline stages
+    in stage order) and, under PP, the schedule with the stages it runs here and its microbatch
+    count (the schedule classes keep those private)."""
+
+    parts: list[nn.Module]
+    schedule: object | None = None
+    stages: list = field(default_factory=list)
+    microbatches: int = 1
 
 
 def with_attention_dtype(args: ModelArgs, cfg: JobConfig, device: torch.device) -> ModelArgs:
@@ -104,22 +107,24 @@ def build_model(
     loss_fn: Callable | None = None,
     materialize: bool = True,
     per_stage_seed: bool = True,
-) -> tuple[list[nn.Module], object | None]:
-    """This rank's model parts (one, or its pipeline stages in stage order) and the pipeline
-    schedule (None without PP; `loss_fn(logits, labels)` is the schedule's loss).
+) -> BuiltModel:
+    """This rank's share of the model, parallelized (`loss_fn(logits, labels)` is the pipeline
+    schedule's loss under PP).
 
     materialize False: the parts stay on the meta device, sharded (the fake step gives them
     fake storage itself). What was applied or skipped is recorded in `toggles`.
     """
     meta = meta_init(cfg, device) or not materialize
-    model = init_model(args, meta=meta)
-    schedule = None
+    # the whole model: on the meta device, or on CPU from the caller's seed (identical on every rank)
+    model = create_model(args, device="meta" if meta else "cpu")
     if dims.pp > 1:
-        schedule, parts = build_pipeline(model, mesh, dims, cfg, device, loss_fn, toggles, parallelize)
+        pipe = build_pipeline(model, mesh, dims, cfg, device, loss_fn, toggles, parallelize)
+        built = BuiltModel(pipe.parts, pipe.schedule, pipe.stages, pipe.microbatches)
     else:
-        parts = [parallelize(model, mesh, dims, cfg, toggles)]
+        built = BuiltModel([parallelize(model, mesh, dims, cfg, toggles)])
+    parts = built.parts
     if not materialize:
-        return parts, schedule
+        return built
     if meta:
         # the trainer's generators stay as the caller seeded them; only the init draws per stage
         devices = [device] if device.type == "cuda" else []
@@ -136,9 +141,4 @@ def build_model(
         if not meta:
             part.to(device)
         part.train()
-    return parts, schedule
-
-
-def schedule_stages(schedule) -> list:
-    """The pipeline stages a schedule runs on this rank (multi-stage and single-stage classes)."""
-    return schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    return built

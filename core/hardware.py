@@ -10,7 +10,7 @@ from core.config import ConfigError, JobConfig
 from core.toggles import async_tp, float8
 
 
-def check_hardware(cfg: JobConfig) -> dict[str, str]:
+def check_toggle_hardware(cfg: JobConfig) -> dict[str, str]:
     """Raise ConfigError (one line, naming the key) for a toggle this machine cannot run:
     Float8 on a CUDA GPU older than sm89 (any mode), AsyncTP without CUDA + NVLink/NVSwitch in
     real mode. Returns {toggle: reason} for what a proxy run will skip and record instead."""

@@ -14,14 +14,19 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from core import cpu_gemm
 from core.fileio import atomic_write, atomic_write_json
+from core.logs import get_logger
 from core.models.args import ModelArgs, param_count
+
+log = get_logger(__name__)
 
 # Peak dense bf16 FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
@@ -193,3 +198,64 @@ def trim_metrics(path: Path, last_step: int) -> None:
     with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
         f.write("".join(m + "\n" for m in moved))
     atomic_write(path, "".join(k + "\n" for k in keep))
+
+
+class StepLog:
+    """The training loop's per-step metrics: metrics.jsonl (rank 0) every metrics.log_freq steps
+    and at the last, and rank 0's progress bar (metrics.progress)."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        rank: int,
+        cfg,
+        tokens_per_device: float,
+        flops_per_token: float,
+        peak_flops: float,
+        first_step: int,
+    ):
+        self.cfg, self.tokens_per_device = cfg, tokens_per_device
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.logger = MetricsLogger(out_dir, rank, cfg.metrics.enable_tensorboard)
+        self.bar = None
+        if rank == 0 and cfg.metrics.progress:
+            self.bar = tqdm(
+                total=cfg.training.steps,
+                initial=first_step,
+                desc=cfg.job.name,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, dt: float, data_dt: float) -> None:
+        tps = self.tokens_per_device / dt
+        if step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps:
+            self.logger.log(
+                step,
+                {
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "lr": lr,
+                    "step_time_s": dt,
+                    "data_time_s": data_dt,
+                    "tokens_per_sec_per_device": tps,
+                    "mfu": self.flops_per_token * tps / self.peak_flops,
+                    "memory_gib": peak_memory_gib(),
+                },
+            )
+        if self.bar:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
+            self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        """A line that does not break the progress bar."""
+        if self.bar:
+            self.bar.write(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        self.logger.close()

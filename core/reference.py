@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from core import cpu_gemm
-from core.build import init_model, with_attention_dtype
+from core.build import with_attention_dtype
 from core.config import JobConfig
 from core.data.datasets import build_dataloader
 from core.data.tokenizer import Tokenizer
 from core.models.args import model_args  # the same ModelArgs resolution as the trainer
+from core.models.llama3 import create_model
 from core.optim import ADAM_KERNELS, lr_factor
 
 
@@ -56,7 +57,7 @@ def _reference_loop(cfg: JobConfig, vocab_size, steps, batches, bf16: str, adamw
     args = with_attention_dtype(
         model_args(cfg, tokenizer.n_words if tokenizer else vocab_size), cfg, torch.device("cpu")
     )
-    model = init_model(args)  # on CPU from the seed: the weights every layout starts from
+    model = create_model(args, device="cpu")  # from the seed: the weights every layout starts from
     if batches is None:
         batches = build_dataloader(
             cfg, tokenizer, dp_rank=0, dp_degree=1, vocab_size=args.vocab_size, local_batch_size=t.local_batch_size * dp

@@ -1,5 +1,5 @@
 """The result record of a training run (`result.json`): what ran, on which versions and hardware,
-and what it measured; built from a finished Trainer and written atomically by rank 0."""
+and what it measured; built from the loop's TrainOutcome and written atomically by rank 0."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import datetime
 import importlib.metadata
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from core import cpu_gemm
 from core.config import JobConfig, save_config
 from core.fileio import atomic_write_json
-from core.metrics import device_info, peak_memory_gib
-from core.models.args import shape_record
+from core.metrics import device_info
+from core.models.args import ModelArgs, shape_record
 from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
 
 
@@ -62,91 +62,120 @@ def local_state_bytes(model_parts, optimizer) -> dict:
     return {"params": params, "optimizer": optim}
 
 
-def pp_record(trainer) -> dict:
+def pp_record(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> dict:
     """The schedule's ideal bubble (from its own action table; hardware independent)."""
-    if trainer.pp_schedule is None:
-        return {}
-    p = trainer.cfg.parallelism
-    spr, micro = len(trainer.step_fn.stages), trainer.pp_schedule._n_microbatches
     out = {
-        "pp_schedule": p.pp_schedule,
-        "pp_microbatches": micro,
-        "pp_stages_per_rank": spr,
+        "pp_schedule": schedule,
+        "pp_microbatches": microbatches,
+        "pp_stages_per_rank": stages_per_rank,
         "pp_bubble_costs": DEFAULT_COSTS,
     }
     try:
-        out["pp_bubble_fraction"] = bubble_fraction(p.pp_schedule, trainer.dims.pp, micro, spr)
+        out["pp_bubble_fraction"] = bubble_fraction(schedule, pp, microbatches, stages_per_rank)
     except (RuntimeError, ValueError, AssertionError) as e:  # never lose the run's record to it
         out["pp_bubble_fraction"], out["pp_bubble_error"] = None, str(e).splitlines()[0]
     return out
 
 
-def result_record(trainer, losses, grad_norms, step_times, wall, tokens_per_step, fpt, peak) -> dict:
-    """The record of a finished `trainer.train()` (collective: every rank gathers the memory and
-    state bytes of all ranks)."""
+@dataclass
+class TrainOutcome:
+    """What a finished training loop hands to its record: plain values, the per-rank lists
+    already gathered from every rank. `result_record` turns it into result.json."""
+
+    cfg: JobConfig
+    model_args: ModelArgs
+    world_size: int
+    device_type: str
+    params: int | None  # the whole model's parameter count (None under PP: no rank holds it all)
+    toggles_applied: list[str]
+    toggles_skipped: dict[str, str]
+    pipeline: dict  # pp_record(...) under PP, else {}
+    start_step: int  # losses are those of steps start_step+1 ..
+    losses: list[float]
+    grad_norms: list[float]
+    step_times_s: list[float]  # whole iterations: data + forward/backward + optimizer
+    data_times_s: list[float]
+    skipped_nonfinite_steps: list[int]
+    skipped_bad_documents: list
+    wall_s: float
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float
+    peak_memory_gib_per_rank: list[float]  # steady state: the CUDA peak is reset after step 1
+    first_step_peak_memory_gib_per_rank: list[float | None]
+    param_bytes_per_rank: list[int]
+    optimizer_bytes_per_rank: list[int]
+    profile: dict | None = None  # the profiler window's summary (core.step_hooks), when one ran
+
+
+def _throughput(o: TrainOutcome) -> dict:
     # Steady state: the first step pays for lazy init and compilation.
-    steady = step_times[1:] or step_times
+    steady = o.step_times_s[1:] or o.step_times_s
     mean_step = sum(steady) / len(steady) if steady else float("nan")
-    tps = tokens_per_step / trainer.world_size / mean_step
-    mem = [None] * trainer.world_size
-    dist.all_gather_object(mem, peak_memory_gib())
-    first_mem = [None] * trainer.world_size
-    memory = getattr(trainer, "memory", None)
-    dist.all_gather_object(first_mem, memory.first_step if memory else None)
-    data_times = getattr(trainer, "data_times", [])
-    steady_data = data_times[1:] or data_times
-    state_bytes = [None] * trainer.world_size
-    dist.all_gather_object(state_bytes, local_state_bytes(trainer.model_parts, trainer.optimizer))
-    info = device_info()
+    tps = o.tokens_per_step / o.world_size / mean_step
+    steady_data = o.data_times_s[1:] or o.data_times_s
     return {
-        "recipe": trainer.cfg.job.recipe,
-        "mode": trainer.cfg.job.mode,
-        "config": trainer.cfg.to_dict(),
+        "data_time_s": sum(steady_data) / len(steady_data) if steady_data else None,
+        "tokens_per_sec_per_device": tps,
+        "flops_per_token": o.flops_per_token,
+        "tflops_per_device": o.flops_per_token * tps / 1e12,
+        "mfu": o.flops_per_token * tps / o.peak_flops,
+        "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
+    }
+
+
+def _memory(o: TrainOutcome) -> dict:
+    first = o.first_step_peak_memory_gib_per_rank
+    return {
+        "peak_memory_gib": max(o.peak_memory_gib_per_rank),
+        "peak_memory_gib_per_rank": o.peak_memory_gib_per_rank,
+        "first_step_peak_memory_gib": max((m for m in first if m is not None), default=None),
+        "first_step_peak_memory_gib_per_rank": first,
+        "memory_kind": "cuda max reserved, reset after step 1"
+        if o.device_type == "cuda"
+        else "cpu peak RSS (cannot be reset: includes step 1)",
+        "param_bytes_per_rank": o.param_bytes_per_rank,
+        "optimizer_bytes_per_rank": o.optimizer_bytes_per_rank,
+    }
+
+
+def result_record(o: TrainOutcome) -> dict:
+    """result.json of a finished run."""
+    info = device_info()
+    record = {
+        "recipe": o.cfg.job.recipe,
+        "mode": o.cfg.job.mode,
+        "config": o.cfg.to_dict(),
         "versions": versions(),
         "hardware": {
             "device": info["device"],
-            "world_size": trainer.world_size,
-            "peak_flops": peak,
+            "world_size": o.world_size,
+            "peak_flops": o.peak_flops,
             "peak_source": info["peak_source"],
             "bf16_gemm": cpu_gemm.active(),  # core.cpu_gemm: fp32 where the CPU has no fast bf16 GEMM
         },
-        "world_size": trainer.world_size,
-        "model": {
-            "flavor": trainer.cfg.model.flavor,
-            "params": sum(p.numel() for m in trainer.model_parts for p in m.parameters())
-            if trainer.dims.pp == 1
-            else None,
-            **shape_record(trainer.model_args),
-        },  # the resolved shape: flavor + model.* overrides
-        "toggles_applied": trainer.toggles.applied,
-        "toggles_skipped": trainer.toggles.skipped,
-        **pp_record(trainer),
-        "steps": len(losses),
-        "skipped_nonfinite_steps": list(trainer.skipped_steps),
-        "skipped_bad_documents": getattr(trainer.dataloader, "bad_documents", []),
-        "start_step": getattr(trainer, "start_step", 0),  # losses are of steps start_step+1..
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "step_times_s": step_times,  # whole iterations: data + forward/backward + optimizer
-        "data_times_s": data_times,
-        "data_time_s": sum(steady_data) / len(steady_data) if steady_data else None,
-        "tokens_per_sec_per_device": tps,
-        "flops_per_token": fpt,
-        "tflops_per_device": fpt * tps / 1e12,
-        "mfu": fpt * tps / peak,
-        "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
-        "peak_memory_gib": max(mem),  # steady state: the peak is reset after the first step
-        "peak_memory_gib_per_rank": mem,
-        "first_step_peak_memory_gib": max((m for m in first_mem if m is not None), default=None),
-        "first_step_peak_memory_gib_per_rank": first_mem,
-        "memory_kind": "cuda max reserved, reset after step 1"
-        if trainer.device.type == "cuda"
-        else "cpu peak RSS (cannot be reset: includes step 1)",
-        "param_bytes_per_rank": [b["params"] for b in state_bytes],
-        "optimizer_bytes_per_rank": [b["optimizer"] for b in state_bytes],
-        "wall_s": wall,
+        "world_size": o.world_size,
+        # the resolved shape: flavor + model.* overrides
+        "model": {"flavor": o.cfg.model.flavor, "params": o.params, **shape_record(o.model_args)},
+        "toggles_applied": o.toggles_applied,
+        "toggles_skipped": o.toggles_skipped,
+        **o.pipeline,
+        "steps": len(o.losses),
+        "skipped_nonfinite_steps": o.skipped_nonfinite_steps,
+        "skipped_bad_documents": o.skipped_bad_documents,
+        "start_step": o.start_step,
+        "losses": o.losses,
+        "grad_norms": o.grad_norms,
+        "step_times_s": o.step_times_s,
+        "data_times_s": o.data_times_s,
+        **_throughput(o),
+        **_memory(o),
+        "wall_s": o.wall_s,
         "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if o.profile:
+        record["profile"] = o.profile
+    return record
 
 
 def write_result(cfg: JobConfig, record: dict) -> None:

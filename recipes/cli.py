@@ -276,7 +276,7 @@ def show_cmd(recipe_id, as_json, overrides):
         )
     )
     click.echo("\nmodes")
-    report = hardware_check.check_hardware(r, cfgs["real"]) if r.nnodes() == 1 else None
+    report = hardware_check.check_node(r, cfgs["real"]) if r.nnodes() == 1 else None
     here = (
         "runs here"
         if report and report.ok
@@ -404,7 +404,7 @@ def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatc
                 EXIT_CONFIG,
             )
         if mode == "real" and nnodes == 1 and not slurm:
-            report = hardware_check.check_hardware(r, cfg)
+            report = hardware_check.check_node(r, cfg)
             if not report.ok:
                 _fail(
                     f"error: {r.id}: real mode cannot run on this machine:\n"

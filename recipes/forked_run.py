@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(args.training_script)  # imported once here; every fork inherits it
     if hasattr(module, "before_fork"):  # what the module's jobs import lazily, imported once too
         module.before_fork(list(args.training_script_args))
-    from core.train import FORKED_AT_AGE_ENV, process_age_s
+    from core.process import FORKED_AT_AGE_ENV, process_age_s
 
     os.environ[FORKED_AT_AGE_ENV] = f"{process_age_s() or 0.0:.3f}"  # the ranks' records count it
     elastic_launch(config, _run_module_as_main)(args.training_script, list(args.training_script_args))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, JobConfig
-from core.hardware import check_hardware as check_toggles
+from core.hardware import check_toggle_hardware
 from recipes.schema import Recipe
 
 
@@ -40,7 +40,7 @@ def real_requirements(recipe: Recipe, cfg: JobConfig) -> tuple[list[str], list[s
     return hard, advisory
 
 
-def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
+def check_node(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
     """Can this node run cfg for real, single-node? Lists what is missing, never guesses."""
     import torch  # here, not at the top: `run-recipe list` and `show` must not pay torch's import
 
@@ -73,7 +73,7 @@ def check_hardware(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
         elif token == "nvswitch":
             notes.append("AsyncTP wants NVLink/NVSwitch between the TP ranks (not checked)")
     try:  # the trainer's own check (Float8 sm89+, AsyncTP: CUDA + NVLink/NVSwitch in real mode)
-        check_toggles(cfg)
+        check_toggle_hardware(cfg)
     except ConfigError as e:
         if str(e) not in missing:
             missing.append(str(e))

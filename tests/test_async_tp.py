@@ -12,7 +12,7 @@ import torch
 import torch.distributed._symmetric_memory as symm_mem
 
 from core.config import ConfigError, load_config
-from core.hardware import check_hardware
+from core.hardware import check_toggle_hardware
 from core.parallel.parallelize import Toggles
 from core.toggles import async_tp
 from core.toggles.async_tp import apply_async_tp
@@ -63,11 +63,11 @@ def test_async_tp_wiring_on_a_cuda_machine(monkeypatch):
             assert inductor_config._micro_pipeline_tp is True
         assert calls == ["tp-group-7"]
     assert toggles.applied == ["async_tp"] and not toggles.skipped
-    assert check_hardware(async_tp_cfg("real")) == {}
+    assert check_toggle_hardware(async_tp_cfg("real")) == {}
     # peer access missing between two GPUs: refused (real) / skipped (proxy)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (0, 5))
     with pytest.raises(ConfigError, match="peer-to-peer"):
-        check_hardware(async_tp_cfg("real"))
+        check_toggle_hardware(async_tp_cfg("real"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -75,12 +75,12 @@ def test_async_tp_refused_on_cpu():
     import torch._inductor.config as inductor_config  # ~1 s import: these tests only
 
     with pytest.raises(ConfigError, match="parallelism.enable_async_tp: .*CUDA.*NVSwitch"):
-        check_hardware(async_tp_cfg("real"))
+        check_toggle_hardware(async_tp_cfg("real"))
     with inductor_config.patch(_micro_pipeline_tp=False):
         with pytest.raises(ConfigError, match="parallelism.enable_async_tp"):
             apply_async_tp(_FakeMesh(), async_tp_cfg("real"), Toggles())
         # proxy: not applied, and the record says why
-        assert "async_tp" in check_hardware(async_tp_cfg("proxy"))
+        assert "async_tp" in check_toggle_hardware(async_tp_cfg("proxy"))
         toggles = Toggles()
         assert not apply_async_tp(_FakeMesh(), async_tp_cfg("proxy"), toggles)
         assert "no CUDA device" in toggles.skipped["async_tp"] and not toggles.applied
@@ -100,7 +100,7 @@ def test_async_tp_config_needs_tp_and_compile():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_trainer_refuses_real_async_tp_before_launch():
-    """The trainer's entry point runs check_hardware after validate, before any process group."""
+    """The trainer's entry point runs check_toggle_hardware after validate, before any process group."""
     cmd = [
         sys.executable,
         "-m",

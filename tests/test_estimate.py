@@ -189,9 +189,9 @@ def test_last_stage_keeps_every_microbatch_output():
 def test_model_returns_the_logits_the_accounting_holds():
     import torch
 
-    from core.models.llama3 import build_model
+    from core.models.llama3 import create_model
 
-    out = build_model("tiny4", device="cpu", max_seq_len=8)(torch.zeros(1, 8, dtype=torch.long))
+    out = create_model("tiny4", device="cpu", max_seq_len=8)(torch.zeros(1, 8, dtype=torch.long))
     assert out.element_size() == A.MODEL_LOGITS_BYTES
 
 
@@ -281,7 +281,7 @@ def test_loss_memory_matches_torch_on_real_tensors(tp):
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from core.train import cross_entropy_loss
+    from core.step import cross_entropy_loss
 
     T, V = 1024, 512
     cfg = small_cfg(

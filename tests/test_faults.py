@@ -301,7 +301,7 @@ def test_fast_exit_keeps_exit_code_atexit_and_writes(with_thread):
     buffered output survive; a live non-daemon thread (a writer) still finishes first."""
     script = (
         "import atexit, sys, threading, time\n"
-        "from core.train import exit_process\n"
+        "from core.process import exit_process\n"
         "atexit.register(lambda: print('atexit ran'))\n"
         f"if {with_thread!r}:\n"
         "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"

@@ -10,7 +10,7 @@ from core.config import load_config
 from core.metrics import cpu_model, device_info
 from core.models.args import model_args, param_count, shape_record
 from core.models.hf_convert import from_hf_state_dict, hf_config, load_hf, save_hf, to_hf_state_dict
-from core.models.llama3 import FLAVORS, ModelArgs, Transformer, build_model, count_params, precompute_freqs_cis
+from core.models.llama3 import FLAVORS, ModelArgs, Transformer, count_params, create_model, precompute_freqs_cis
 
 pytestmark = pytest.mark.core
 
@@ -33,16 +33,16 @@ def test_ffn_hidden_dims():
 
 def test_meta_model_counts_match_analytic():
     # The whole 8B on meta costs no memory; a module count must equal the analytic one.
-    model = build_model("8B", max_seq_len=8192)
+    model = create_model("8B", max_seq_len=8192)
     assert next(model.parameters()).is_meta
     assert count_params(model) == PUBLISHED["8B"]
     assert count_params(model, exclude_embedding=True) == count_params("8B", exclude_embedding=True)
     for flavor in ("tiny", "tiny4", "debug", "small"):
-        assert count_params(build_model(flavor)) == count_params(flavor)
+        assert count_params(create_model(flavor)) == count_params(flavor)
 
 
 def test_flavor_copies_are_independent():
-    a = build_model("tiny", vocab_size=1000).args
+    a = create_model("tiny", vocab_size=1000).args
     assert a.vocab_size == 1000 and FLAVORS["tiny"].vocab_size == 4352
 
 
@@ -60,7 +60,7 @@ def test_model_args_from_the_job_config():
     cfg = load_config(overrides=["model.flavor=tiny", "model.vocab_size=777", "model.rope_scaling=on"])
     a = model_args(cfg, 1000)
     assert (a.vocab_size, a.rope_scaling) == (777, True)
-    assert param_count(a) == count_params(build_model(a))
+    assert param_count(a) == count_params(create_model(a))
 
 
 def test_model_shape_from_the_job_config():
@@ -82,14 +82,14 @@ def test_model_shape_from_the_job_config():
     assert a.ffn_hidden_dim == 448  # int(1.3 * 341) = 443 -> multiple of 64
     assert model_args(load_config(overrides=["model.n_layers=2"]), None).dim == FLAVORS["debug"].dim
     assert FLAVORS["debug"].n_layers == 6  # the table is not touched
-    model = build_model(a)
+    model = create_model(a)
     assert len(model.layers) == 3 and param_count(a) == count_params(model)
     assert shape_record(a)["param_count"] == param_count(a) and shape_record(a)["ffn_hidden_dim"] == 448
 
 
 def _materialize(flavor, seed):
     torch.manual_seed(seed)
-    model = build_model(flavor, max_seq_len=64)  # meta
+    model = create_model(flavor, max_seq_len=64)  # meta
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=None)
     return model
@@ -142,7 +142,7 @@ def test_logits_match_transformers(rope_scaling):
             precompute_freqs_cis(args), precompute_freqs_cis(dataclasses.replace(args, rope_scaling=False))
         )
     torch.manual_seed(0)
-    ours = build_model(args, device="cpu").eval()
+    ours = create_model(args, device="cpu").eval()
     with torch.no_grad():  # sharpen attention so positions (RoPE layout, scaling) really matter
         for layer in ours.layers.values():
             layer.attention.wq.weight.normal_(0, 0.2)
@@ -184,7 +184,7 @@ def test_save_load_hf_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
     args = dataclasses.replace(PARITY_ARGS, rope_scaling=True)
     torch.manual_seed(0)
-    ours = build_model(args, device="cpu").eval()
+    ours = create_model(args, device="cpu").eval()
     save_hf(ours.state_dict(), args, str(tmp_path))
     sd, loaded_args = load_hf(str(tmp_path))
     assert loaded_args == args
@@ -197,13 +197,13 @@ def test_save_load_hf_folder(tmp_path):
 
 def test_pipeline_stage_forward():
     torch.manual_seed(0)
-    full = build_model("tiny4", device="cpu", max_seq_len=64)
+    full = create_model("tiny4", device="cpu", max_seq_len=64)
     tokens = torch.randint(0, full.args.vocab_size, (2, 32))
     with torch.no_grad():
         expected = full(tokens)
 
-    first = build_model("tiny4", device="cpu", max_seq_len=64)
-    last = build_model("tiny4", device="cpu", max_seq_len=64)
+    first = create_model("tiny4", device="cpu", max_seq_len=64)
+    last = create_model("tiny4", device="cpu", max_seq_len=64)
     # Split like pipeline parallelism does: delete layers and the ends, keep the FQNs.
     for i in ("2", "3"):
         del first.layers[i]
@@ -224,7 +224,7 @@ def test_pipeline_stage_forward():
 
     # A stage built on meta materialises with its own init_weights.
     with torch.device("meta"):
-        stage = Transformer(build_model("tiny4").args)
+        stage = Transformer(create_model("tiny4").args)
     del stage.layers["0"]
     stage.tok_embeddings = None
     stage.to_empty(device="cpu")
@@ -235,7 +235,7 @@ def test_pipeline_stage_forward():
 
 
 def test_dtype_cast_of_rope_buffer_is_caught():
-    model = build_model("tiny", device="cpu", max_seq_len=16)
+    model = create_model("tiny", device="cpu", max_seq_len=16)
     with pytest.warns(UserWarning):  # torch: casting complex to real discards the imaginary part
         model.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="freqs_cis"):

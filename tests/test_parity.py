@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from core.config import ConfigError, load_config
-from core.models.llama3 import build_model
+from core.models.llama3 import create_model
 from core.parallel.context import _cpu_flash_attention_rule
 from core.parallel.parallelize import Toggles
 from core.parallel.tensor import tp_styles
@@ -218,7 +218,7 @@ def test_results_writer_merges_and_keeps_columns(tmp_path):
 # ------------------------------------------------------------------------ TP styles, CP shim
 def test_float8_tp_styles_need_converted_linears():
     cfg = load_config(None, ["float8.enabled=true", "float8.recipe=tensorwise"])
-    model = build_model("tiny", device="meta")
+    model = create_model("tiny", device="meta")
     toggles = Toggles()
     assert tp_styles(model, cfg, toggles)[0] is ColwiseParallel
     assert "float8_tp" in toggles.skipped

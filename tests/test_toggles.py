@@ -19,8 +19,8 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 
 from core import cpu_gemm
 from core.config import ActivationCheckpoint, Compile, ConfigError, load_config
-from core.hardware import check_hardware
-from core.models.llama3 import build_model
+from core.hardware import check_toggle_hardware
+from core.models.llama3 import create_model
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
 from core.toggles import compile as compile_mod
@@ -74,7 +74,7 @@ def train(out, *overrides, steps=5) -> dict:
 
 def tiny_model(flavor="tiny4", vocab=512, seq=64):
     torch.manual_seed(0)
-    return build_model(flavor, vocab_size=vocab, max_seq_len=seq, device="cpu")
+    return create_model(flavor, vocab_size=vocab, max_seq_len=seq, device="cpu")
 
 
 # ------------------------------------------------------------------------- activation checkpointing
@@ -398,9 +398,9 @@ def test_float8_needs_sm89_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     with pytest.raises(ConfigError, match="float8.enabled: .*sm89.*sm80"):
-        check_hardware(cfg)
+        check_toggle_hardware(cfg)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert check_hardware(cfg) == {}
+    assert check_toggle_hardware(cfg) == {}
 
 
 @pytest.mark.skipif(

@@ -36,8 +36,8 @@ from core.parallel.mesh import ParallelDims
 from core.parallel.parallelize import Toggles
 from core.parallel.pipeline import pipeline_order
 from core.parallel.stages import pp_microbatches, stages_per_rank
+from core.step import TrainStep, pipeline_loss
 from core.toggles.float8 import post_optimizer_hook
-from core.train import TrainStep, pipeline_loss
 
 
 def init_fake_process_group(world_size: int, rank: int = 0) -> None:
@@ -139,9 +139,9 @@ def _fake_step(cfg, dims, rank, track, untrackable, modelled) -> dict:
     args = model_args(cfg, None)
     # Meta tensors, sharded by the real functions (DTensors over meta shards), outside the
     # fake mode: the pipeline split deep-copies the model, which fake tensors do not survive.
-    parts, schedule = build_model(args, cfg, mesh, dims, device, toggles, pipeline_loss(cfg), materialize=False)
+    built = build_model(args, cfg, mesh, dims, device, toggles, pipeline_loss(cfg), materialize=False)
     # The trainer's own step code, without its data loader, tokenizer or materialised weights.
-    tr = TrainStep(cfg, mesh, device, parts, schedule)
+    tr = TrainStep(cfg, mesh, device, built)
     post_opt = post_optimizer_hook(cfg)
     build_s = time.perf_counter() - t0
     why_not = None if track else (untrackable or "a pipeline rank's schedule under the tracker takes minutes at scale")

@@ -39,7 +39,7 @@ OPTIMIZER_BYTES_PER_PARAM = 96
 
 
 def _args(cfg):
-    from core.train import model_args  # the model's shapes as the trainer builds them
+    from core.models.args import model_args  # the model's shapes as the trainer builds them
 
     return model_args(cfg, None)
 

@@ -60,8 +60,8 @@ __all__ = [
     "TransformerBlock",
     "apply_rope_scaling",
     "apply_rotary_emb",
-    "build_model",
     "count_params",
+    "create_model",
     "get_args",
     "precompute_freqs_cis",
     "repeat_kv",
@@ -308,15 +308,16 @@ def count_params(model_or_args: nn.Module | ModelArgs | str, exclude_embedding: 
     return param_count(model_or_args, exclude_embedding)
 
 
-def build_model(
+def create_model(
     flavor_or_args: str | ModelArgs,
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
     device: str | torch.device = "meta",
 ) -> Transformer:
-    """Construct a Transformer on ``device``. On "meta" nothing is allocated: call
+    """The whole Transformer on ``device``. On "meta" nothing is allocated: call
     ``to_empty(device=...)`` and ``init_weights()`` after parallelising. On a real device the
-    weights are initialised here."""
+    weights are initialised here, from torch's current RNG state. (The parallel build of a
+    rank's share is core/build.py's ``build_model``, which starts from this.)"""
     args = get_args(flavor_or_args, vocab_size=vocab_size, max_seq_len=max_seq_len)
     with torch.device(device):
         model = Transformer(args)

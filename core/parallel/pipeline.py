@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from tabulate import tabulate
@@ -97,6 +98,16 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- building
+class Pipeline(NamedTuple):
+    """This rank's share of the pipeline, as build_pipeline made it (the schedule keeps its
+    stages and microbatch count private: callers read them here)."""
+
+    schedule: object
+    parts: list[nn.Module]
+    stages: list[PipelineStage]
+    microbatches: int
+
+
 def build_pipeline(
     model: nn.Module,
     mesh,
@@ -106,10 +117,10 @@ def build_pipeline(
     loss_fn: Callable,
     toggles,
     parallelize: Callable,
-):
+) -> Pipeline:
     """Split `model` into this pp rank's stages, parallelize each, wrap them in the schedule.
 
-    Returns (schedule, model_parts): the parts ordered by stage index.
+    Returns the schedule, this rank's parts and stages (in stage order) and the microbatch count.
     """
 
     p = cfg.parallelism
@@ -141,7 +152,7 @@ def build_pipeline(
     toggles.apply(f"pp:{p.pp_schedule}")
     if bf16_autocast:
         toggles.apply("pp_autocast_bf16")
-    return schedule, parts
+    return Pipeline(schedule, parts, stages, micro)
 
 
 # -------------------------------------------------------------------------------- bubble fraction

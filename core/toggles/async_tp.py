@@ -62,7 +62,7 @@ def hardware_problem(cfg: JobConfig) -> str | None:
 def apply_async_tp(tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> bool:
     """Enable AsyncTP on tp_mesh's group when this machine can; returns whether it did.
 
-    Real mode raises ConfigError when it cannot (the launcher's check_hardware normally refused
+    Real mode raises ConfigError when it cannot (the launcher's node check normally refused
     earlier); proxy mode records the skip with the reason.
     """
     if not cfg.parallelism.enable_async_tp:

@@ -15,7 +15,7 @@ small all-reduce per linear in the forward.
 Ordering: float8 conversion runs before TP, because torchao's float8-aware TP styles (which
 all-gather the sequence-parallel activations in float8) only accept Float8Linear modules.
 
-Hardware: float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper); `check_hardware`
+Hardware: float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper); `check_toggle_hardware`
 refuses older GPUs before building. On CPU `torch._scaled_mm` runs float8_e4m3fn but far too
 slowly for a proxy (measured on a 2-core AMX Xeon: 2.2 s for a 1024x256x256 matmul, bf16 4 ms), so
 proxy rows set `float8.emulate` (torchao's emulation: the same float8 quantization of inputs and

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from core.config import load_config
 from core.lazy_imports import import_for
-from core.train import exit_process, init_distributed, run
+from core.process import exit_process
+from core.train import init_distributed, run
 from core.validate import validate
 
 

@@ -70,12 +70,13 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from core.build import build_model, schedule_stages
+    from core.build import build_model
     from core.config import load_config
     from core.models.args import model_args
     from core.parallel.mesh import ParallelDims
     from core.parallel.parallelize import Toggles
-    from core.train import init_distributed, pipeline_loss
+    from core.step import pipeline_loss
+    from core.train import init_distributed
     from core.validate import validate
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,12 +86,12 @@ def init_report(overrides: list[str], per_stage: bool = True) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = dims.build_mesh(device.type, cfg.comm.init_timeout_seconds)
     torch.manual_seed(cfg.job.seed)
-    parts, schedule = build_model(
+    built = build_model(
         model_args(cfg, None), cfg, mesh, dims, device, Toggles(), pipeline_loss(cfg), per_stage_seed=per_stage
     )
-    ids = [s.stage_index for s in schedule_stages(schedule)] if schedule is not None else [0]
+    ids = [s.stage_index for s in built.stages] if built.schedule is not None else [0]
     stages = {}
-    for sid, part in zip(ids, parts, strict=True):
+    for sid, part in zip(ids, built.parts, strict=True):
         params = {}
         for name, p in part.named_parameters():
             whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -394,6 +395,6 @@ def preflight(out: str | None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:3] != ["--worker", "init"]:
         sys.exit("usage: run-recipe preflight (this module's own entry is the torchrun worker)")
-    from core.train import exit_process
+    from core.process import exit_process
 
     exit_process(_worker_main(sys.argv[3:]))

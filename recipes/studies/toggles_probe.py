@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from core.config import Compile
-from core.models.llama3 import FLAVORS, build_model
+from core.models.llama3 import FLAVORS, create_model
 from core.parallel.parallelize import Toggles
 from core.toggles.compile import apply_compile
 from recipes import launcher
@@ -32,7 +32,7 @@ def _cpu_s() -> float:
 
 def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int = 4) -> dict:
     """(In a fresh process.) Time the first training step, which compiles, and the later ones."""
-    model = build_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
+    model = create_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
     if mode == "block":
         apply_compile(model, Compile(enabled=True), Toggles())
     elif mode == "whole":

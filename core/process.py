@@ -1,0 +1,43 @@
+"""This process's life as a rank: how long it took to start, and how it exits."""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import sys
+import threading
+from pathlib import Path
+
+# Set by a launcher that imports the trainer once and forks the ranks (recipes/forked_run.py):
+# its own age at the fork, which is the start-up and imports every rank inherits.
+FORKED_AT_AGE_ENV = "TITAN_FORKED_AT_AGE_S"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), i.e. interpreter start-up + imports so far;
+    a forked rank adds the age its launcher had at the fork."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return age + float(os.environ.get(FORKED_AT_AGE_ENV, 0.0))
+
+
+def exit_process(rc: int) -> None:
+    """Exit a finished rank without the interpreter's teardown of torch's object graph: measured
+    0.65 s of CPU per rank, 18 s for 16 ranks on 2 cores. atexit handlers and the streams still
+    run and flush; a live non-daemon thread (one still writing) gets a normal exit instead. A
+    rank forked by multiprocessing (recipes/forked_run.py) returns on success: its parent waits
+    for the return value, and the fork's own exit skips the teardown anyway."""
+    if rc == 0 and multiprocessing.parent_process() is not None:
+        return
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(rc)
+    # private, no public equivalent: run the atexit handlers before os._exit skips them
+    # (tests/test_faults.py fails if it goes)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
