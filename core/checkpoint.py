@@ -10,22 +10,11 @@ A checkpoint is written into `step-N.tmp` and renamed to `step-N` by rank 0 only
 finished on every rank (DCP's coordinator writes `.metadata` after all ranks reported their
 writes, then every rank's `save` returns), so "latest" is always a complete checkpoint.
 
-What is saved (DCP flattens the nested keys):
-
-    model.<fqn>                      parameters (DTensors under FSDP/TP: DCP reshards on load)
-    optimizer.state.<fqn>.<name>     flattened optimizer state (one key space for every PP split)
-    optimizer.param_groups.<fqn>.<k>
-    lr_scheduler                     JSON of the scheduler's state_dict
-    train_state                      JSON: step, layout, world size
-    dataloader.dp_rank_<r>           JSON of dp rank r's loader state (the TokenWindowLoader's
-                                     state is its position in the one global stream, so any
-                                     rank's copy resumes any DP degree)
-    rng.rank_<R>                     torch RNG state of global rank R (restored on the same layout)
+What is saved: core/checkpoint_state.py (one `Stateful` per kind of state, and the keys on disk).
 
 The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, data loader, a
-`TrainState`) and restores them in place; the model parts' key space and the train state live in
-core/checkpoint_state.py, folder and file checks, error messages and the single-process tools in
-core/checkpoint_files.py.
+`TrainState`) and hands DCP their `Stateful` views, which restore them in place; folder and file
+checks, error messages and the single-process tools are core/checkpoint_files.py.
 
 CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
 `ls FOLDER`.
@@ -34,14 +23,15 @@ CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
-import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,11 +68,27 @@ from core.checkpoint_folder import (
     verify_before_load,
     write_manifest,
 )
-from core.checkpoint_state import ModelParts
+from core.checkpoint_state import JsonState, ModelParts, ModelState, OptimizerState, RngState, dataloader_key
 from core.config import JobConfig
 from core.fileio import atomic_write_json
+from core.logs import get_logger
 from core.models.args import ModelArgs
 from core.noise import quiet_library_warnings
+
+log = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def dcp_errors(on_error: Callable[[BaseException], NoReturn]):
+    """Hand whatever a DCP call raises to `on_error`, which raises the project's own error."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+        on_error(e)
+
+
+def _raise(e: BaseException) -> NoReturn:
+    raise e from None
 
 
 # ------------------------------------------------------------------------------- checkpointer
@@ -181,7 +187,7 @@ class Checkpointer:
         step = self._load(Path(path))
         self.loaded_from = Path(path)
         if self.rank == 0:
-            print(f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s", flush=True)
+            log.info(f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s")
         return True
 
     def _load(self, path: Path) -> int:
@@ -189,16 +195,39 @@ class Checkpointer:
         check_files(path, metadata)
         info = read_info(path)
         stored = metadata.state_dict_metadata
+        items = self._load_items(path, stored, info)
+        templates = {k: v.state_dict() for k, v in items.items()}
+        check_shapes(path, metadata, templates, info, self.model_args)
+        self._check_no_foreign_weights(path, stored, templates["model"])
+        with dcp_errors(lambda e: _raise(CheckpointError(f"{path}: DCP load failed: {_cause(e)}"))):
+            dcp.load(items, checkpoint_id=str(path))
+        return self.train_state.step if "train_state" in items else int(info.get("step", 0))
+
+    def _load_items(self, path: Path, stored: dict, info: dict) -> dict[str, Stateful]:
+        """What this load restores: the weights; with a full checkpoint the optimizer, scheduler,
+        loader (this rank's copy, or rank 0's for another DP degree) and, on the same layout, the
+        RNG. A weights-only checkpoint sets the step only when it is this run's own final export."""
         full = any(k.startswith("optimizer.") for k in stored)
-        if full:
-            model, mnames, optim, onames = self.parts.full_state()
-            state: dict[str, Any] = {"model": model, "optimizer": optim, "lr_scheduler": ""}
-        else:
-            model, mnames = self.parts.model_state()
-            state = {"model": model}
-        check_shapes(path, metadata, state, info, self.model_args)
-        # Weights nobody here loads mean another model (a deeper one shares our first layers);
-        # a pipeline stage loads a subset, so compare with the union over all ranks.
+        items: dict[str, Stateful] = {"model": ModelState(self.parts)}
+        if "train_state.step" in stored and (full or path.parent == self.folder):
+            items["train_state"] = self.train_state
+        if not full:
+            return items
+        items |= {"optimizer": OptimizerState(self.parts), "lr_scheduler": JsonState(self.lr_scheduler)}
+        dp_key = self._dataloader_key(stored, info)
+        if dp_key:
+            items["dataloader"] = JsonState(self.dataloader, dp_key)
+        elif self.rank == 0:
+            log.warning(f"[checkpoint] warning: {path} has no data-loader state; the data restarts from the beginning")
+        rng = RngState(self.rank)
+        if info.get("layout") == self._layout() and f"rng.{rng.key}" in stored:
+            items["rng"] = rng
+        return items
+
+    @staticmethod
+    def _check_no_foreign_weights(path: Path, stored: dict, model: dict) -> None:
+        """Weights nobody here loads mean another model (a deeper one shares our first layers);
+        a pipeline stage loads a subset, so compare with the union over all ranks."""
         names = [None] * dist.get_world_size()
         dist.all_gather_object(names, sorted(model))
         extra = sorted(
@@ -210,45 +239,9 @@ class Checkpointer:
                 f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): "
                 "a checkpoint of another model shape"
             )
-        if "train_state" in stored:
-            state["train_state"] = ""
-        dp_key = self._dataloader_key(stored, info)
-        if full and dp_key:
-            state["dataloader"] = {dp_key: ""}
-        elif full and self.rank == 0:
-            print(
-                f"[checkpoint] warning: {path} has no data-loader state; the data restarts from the beginning",
-                flush=True,
-            )
-        rng_key = f"rng.rank_{self.rank}"
-        same_layout = info.get("layout") == self._layout()
-        if full and same_layout and rng_key in stored:
-            state["rng"] = {f"rank_{self.rank}": torch.get_rng_state()}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
-            raise CheckpointError(f"{path}: DCP load failed: {_cause(e)}") from None
-        step = 0
-        if "train_state" in state:
-            step = int(json.loads(state["train_state"])["step"])
-        if full:
-            self.parts.set_full(state["model"], mnames, state["optimizer"], onames)
-            self.lr_scheduler.load_state_dict(json.loads(state["lr_scheduler"]))
-            if "dataloader" in state:
-                self.dataloader.load_state_dict(json.loads(state["dataloader"][dp_key]))
-            if "rng" in state:
-                torch.set_rng_state(state["rng"][f"rank_{self.rank}"])
-            self.train_state.load_state_dict({"step": step})
-        else:
-            # weights only (seed, HF import, final export): a new run starts from them at step 0,
-            # but our own final export means this run is done
-            self.parts.set_model(state["model"], mnames)
-            if path.parent == self.folder:
-                self.train_state.load_state_dict({"step": step})
-        return step
 
     def _dataloader_key(self, stored: dict, info: dict) -> str | None:
-        mine = f"dp_rank_{self.dp_rank}"
+        mine = dataloader_key(self.dp_rank)
         if info.get("dp_degree") == self.dp_degree and f"dataloader.{mine}" in stored:
             return mine
         # another DP degree: the loader's state is its place in the global stream, the same
@@ -273,22 +266,15 @@ class Checkpointer:
         if step % self.interval == 0 or last:
             self.save(step, last=last)
 
-    def _state(self, step: int, model_only: bool, dtype: torch.dtype | None) -> dict:
-        info = {**self.train_state.state_dict(), "step": step, "layout": self._layout()}
+    def _save_items(self, model_only: bool, dtype: torch.dtype | None) -> dict[str, Stateful]:
+        items: dict[str, Stateful] = {"model": ModelState(self.parts, dtype), "train_state": self.train_state}
         if model_only:
-            model, _ = self.parts.model_state()
-            if dtype is not None:
-                model = {k: v.to(dtype) for k, v in model.items()}
-            return {"model": model, "train_state": json.dumps(info)}
-        model, _, optim, _ = self.parts.full_state()
-        # JSON strings: small, copied now (the loader moves on while an async save runs)
-        return {
-            "model": model,
-            "optimizer": optim,
-            "lr_scheduler": json.dumps(self.lr_scheduler.state_dict()),
-            "train_state": json.dumps(info),
-            "dataloader": {f"dp_rank_{self.dp_rank}": json.dumps(self.dataloader.state_dict())},
-            "rng": {f"rank_{self.rank}": torch.get_rng_state()},
+            return items
+        return items | {
+            "optimizer": OptimizerState(self.parts),
+            "lr_scheduler": JsonState(self.lr_scheduler),
+            "dataloader": JsonState(self.dataloader, dataloader_key(self.dp_rank)),
+            "rng": RngState(self.rank),
         }
 
     def _info(self, step: int, kind: str, dtype: str) -> dict:
@@ -314,7 +300,7 @@ class Checkpointer:
         c = self.cfg.checkpoint
         model_only = seed or (last and c.model_weights_only)
         dtype = DTYPES[c.export_dtype] if model_only and not seed else None
-        state = self._state(step, model_only, dtype)
+        state = self._save_items(model_only, dtype)
         kind = "seed" if seed else "model" if model_only else "full"
         info = self._info(step, kind, c.export_dtype if dtype else "float32")
         tmp = tmp_dir(self.folder, step)
@@ -322,15 +308,13 @@ class Checkpointer:
             self.folder.mkdir(parents=True, exist_ok=True)
         # The last save has nothing left to overlap with: synchronous.
         if self.async_mode == "disabled" or last or seed:
-            try:
+            with dcp_errors(lambda e: self._failed(step, tmp, "save", e)):
                 dcp.save(state, checkpoint_id=str(tmp))
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
-                self._failed(step, tmp, "save", e)
             self._finalize(step, tmp, info)
             dt = time.perf_counter() - t0
             self.stats.append({"step": step, "mode": "sync", "blocking_s": dt, "wait_s": 0.0, "total_s": dt})
             return
-        try:
+        with dcp_errors(lambda e: self._failed(step, tmp, "async save", e)):
             if self.async_mode == "async":
                 upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
                 staging = None
@@ -343,8 +327,6 @@ class Checkpointer:
                     async_stager=self.stager,
                 )
                 upload, staging = resp.upload_completion, resp.staging_completion
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
-            self._failed(step, tmp, "async save", e)
         p = self.pending = {
             "step": step,
             "tmp": tmp,
@@ -373,12 +355,10 @@ class Checkpointer:
         if p is None:
             return
         t0 = time.perf_counter()
-        try:
+        with dcp_errors(lambda e: self._failed(p["step"], p["tmp"], "async save", e)):
             if p["staging"] is not None:
                 p["staging"].result()
             p["upload"].result()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
-            self._failed(p["step"], p["tmp"], "async save", e)
         if in_loop:  # the end-of-run flush is not loop time
             p["wait_s"] = time.perf_counter() - t0  # the next save waited for this upload
             p["blocking_s"] += p["wait_s"]
@@ -411,9 +391,7 @@ class Checkpointer:
         and raise one CheckpointError naming the folder, the cause and, for a full disk, the space."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        need = self.last_bytes or dist.get_world_size() * 3 * sum(  # weights + two Adam moments
-            p.numel() * p.element_size() for m in self.parts.wrap for p in m.parameters()
-        )
+        need = self.last_bytes or dist.get_world_size() * 3 * self.parts.state_bytes()  # weights + two Adam moments
         raise save_error(self.folder, tmp, step, what, e, need) from None
 
     def close(self) -> None:

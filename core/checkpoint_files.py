@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import shutil
 from pathlib import Path
@@ -186,7 +185,8 @@ def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 
     tmp = out.with_name(out.name + TMP)
     shutil.rmtree(tmp, ignore_errors=True)
     dtypes = {v.dtype for v in model.values()}
-    dcp.save({"model": model, "train_state": json.dumps({"step": step})}, checkpoint_id=str(tmp), no_dist=True)
+    state = {"model": model, "train_state": {"step": step}}  # the keys core/checkpoint_state.py writes
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     info = {
         "step": step,
         "kind": "model",

@@ -84,8 +84,8 @@ def test_async_save_keep_latest_and_bit_identical_resume(base, tmp_path):
     keys = read_metadata(folder / "step-4").state_dict_metadata
     for k in (
         "optimizer.state.layers.0.attention.wq.weight.exp_avg",
-        "lr_scheduler",
-        "train_state",
+        "lr_scheduler.json",
+        "train_state.step",
         "dataloader.dp_rank_0",
         "rng.rank_0",
         "model.output.weight",
