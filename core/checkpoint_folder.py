@@ -16,6 +16,9 @@ import zlib
 from pathlib import Path
 
 from core.fileio import atomic_write_json
+from core.logs import get_logger
+
+log = get_logger(__name__)
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP = ".tmp"
@@ -165,7 +168,7 @@ def move_aside_if_damaged(final: Path) -> None:
     if final.exists() and not (final / METADATA).is_file():
         aside = final.with_name(f"{final.name}.damaged-{os.getpid()}")
         os.replace(final, aside)
-        print(f"[checkpoint] {final} had no {METADATA} (damaged); moved to {aside}", flush=True)
+        log.warning(f"[checkpoint] {final} had no {METADATA} (damaged); moved to {aside}")
 
 
 def damaged_hint(path: Path, folder: Path) -> str:

@@ -39,6 +39,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from core.fileio import atomic_write
+from core.logs import get_logger
+
+log = get_logger(__name__)
 
 FR_PREFIX = "rank_"  # NCCL's watchdog dump (TORCH_FR_DUMP_TEMP_FILE + rank), and ours on gloo
 OWN_PREFIX = "titan_rank_"  # our own dumps on CUDA (failure, SIGTERM): never the watchdog's file
@@ -107,7 +110,7 @@ def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
     try:
         return _dump(cfg, reason)
     except Exception as e:  # noqa: BLE001 -- never hide the failure that led here
-        print(f"[debug] Flight Recorder dump failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        log.warning(f"[debug] Flight Recorder dump failed: {type(e).__name__}: {e}")
         return None
 
 
@@ -258,7 +261,7 @@ def maybe_pause(step: int, output_dir: str | os.PathLike, rank: int) -> None:
     folder = Path(output_dir) / "debug"
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(folder / f"pid_rank_{rank}", str(os.getpid()))
-    print(f"[debug] rank {rank} (pid {os.getpid()}) pausing {seconds:g} s after step {step}", flush=True)
+    log.info(f"[debug] rank {rank} (pid {os.getpid()}) pausing {seconds:g} s after step {step}")
     time.sleep(seconds)
 
 

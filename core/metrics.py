@@ -163,7 +163,7 @@ class MetricsLogger:
 
                     self.tb = SummaryWriter(str(out_dir / "tb"))
                 except ImportError:
-                    print("[metrics] tensorboard is not installed: logging to JSONL only", flush=True)
+                    log.warning("[metrics] tensorboard is not installed: logging to JSONL only")
 
     def log(self, step: int, values: dict) -> None:
         if self.rank != 0:

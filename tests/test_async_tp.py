@@ -1,4 +1,4 @@
-"""AsyncTP (issue: toggles): the inductor pass and symmetric memory are wired for exactly the TP
+"""AsyncTP: the inductor pass and symmetric memory are wired for exactly the TP
 group on an NVSwitch node, refused before launch elsewhere (real) or skipped with the reason
 (proxy); the run itself needs 2+ CUDA GPUs joined by NVLink/NVSwitch."""
 

@@ -1,4 +1,4 @@
-"""Checkpointing (issue: production training): DCP save/load, exact resume on every layout,
+"""Checkpointing: DCP save/load, exact resume on every layout,
 resharded resume, a killed rank restarted by torchrun, NaN stop, HF interchange, bad checkpoints,
 async overhead. The Flight Recorder and process-group timeouts: tests/test_flight_recorder.py.
 

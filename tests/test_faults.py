@@ -1,4 +1,4 @@
-"""Fault injection in a run (issue: nothing lost, nothing silent): NaN gradients, damaged
+"""Fault injection in a run: NaN gradients, damaged
 checkpoints and resumes, a full disk, malformed corpora.
 
 Each case asserts the message, the exit code (or exception) and that no file of the previous

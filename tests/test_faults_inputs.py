@@ -1,4 +1,4 @@
-"""Fault injection before and around a run (issue: nothing lost, nothing silent): two runs on
+"""Fault injection before and around a run: two runs on
 one folder, a stale lock, concurrent record writers, malformed configs, ids, modes and options.
 
 Each case asserts the message and the exit code, that nothing was spawned for what is refused

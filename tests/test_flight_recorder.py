@@ -1,4 +1,4 @@
-"""Debugging a stuck or slow collective (issue: production training): the Flight Recorder's
+"""Debugging a stuck or slow collective: the Flight Recorder's
 config, dump and reader (which rank is behind), and the process-group timeouts after step 1.
 
 Single-process tests run in this process (a world-1 gloo group); the multi-process one launches

@@ -1,4 +1,4 @@
-"""FSDP2 and HSDP on CPU gloo against the single-process fp32 reference loop (issue: core)."""
+"""FSDP2 and HSDP on CPU gloo against the single-process fp32 reference loop."""
 
 import pytest
 

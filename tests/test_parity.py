@@ -130,7 +130,7 @@ def test_layout_matches_golden(parity_runs, name, dtype):
 
 
 # ------------------------------------------------------------------------- suite and bad input
-def test_layout_list_covers_the_issue():
+def test_layout_list_covers_every_layout_kind():
     names = set(PL.BY_NAME)
     for required in [
         "fsdp2",

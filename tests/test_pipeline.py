@@ -1,5 +1,5 @@
 """Pipeline parallelism: stage split, every torch schedule against the single-process run,
-gradient scale, PP x FSDP2 (x TP), bf16 without FSDP, bubble fractions, bad input (issue 3)."""
+gradient scale, PP x FSDP2 (x TP), bf16 without FSDP, bubble fractions, bad input."""
 
 from __future__ import annotations
 

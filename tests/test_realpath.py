@@ -1,4 +1,4 @@
-"""What real mode (CUDA, clusters) does differently from the CPU proxies, run on a CPU (issue 15):
+"""What real mode (CUDA, clusters) does differently from the CPU proxies, run on a CPU:
 per-stage seeds on the meta-device init, memory peaks, data time in the step, per-rank data
 sharding, the sbatch script and launch environment, mesh timeouts, the torchao pin, Flight
 Recorder file names on CUDA, and `run-recipe preflight`."""

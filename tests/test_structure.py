@@ -1,4 +1,4 @@
-"""The code's shape (issue 12): dependencies run one way, no import cycles, small modules, and
+"""The code's shape: dependencies run one way, no import cycles, small modules, and
 the dry-run's accounting loads without torch. Imports are read with `ast` (module and function
 level; `if TYPE_CHECKING:` blocks are type names only and not followed)."""
 

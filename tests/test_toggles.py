@@ -1,4 +1,4 @@
-"""Training-efficiency toggles (issue: toggles): activation checkpointing, regional compile,
+"""Training-efficiency toggles: activation checkpointing, regional compile,
 Float8, AsyncTP. Single-process tests build the real Trainer in this process (world 1, a
 one-rank gloo group); multi-process ones launch it under torchrun (marked slow)."""
 

@@ -17,6 +17,9 @@ import zipfile
 from pathlib import Path
 
 from core.fileio import atomic_write
+from core.logs import get_logger
+
+logger = get_logger(__name__)
 
 LICENSES = {
     "llama3": (
@@ -76,7 +79,7 @@ def cache_dir(root: Path) -> Path:
 # small helpers
 # --------------------------------------------------------------------------------------------
 def log(msg: str) -> None:
-    print(f"[assets] {msg}", file=sys.stderr, flush=True)
+    logger.info(f"[assets] {msg}")
 
 
 def sha256_bytes(data: bytes) -> str:

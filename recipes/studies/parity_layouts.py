@@ -44,7 +44,7 @@ FLOAT8_FSDP = (
 # Float8 layouts vs the fp32 or bf16 reference: float8 e4m3 keeps 3 mantissa bits (2^-4 relative
 # rounding per element, vs bf16's 2^-8), so the losses differ by more than summation order.
 # Measured on this CPU over 10 steps (tiny model): 1.5e-3 .. 3.0e-3 (FSDP2 + float8 all-gather,
-# compiled or not, TP 2 tensorwise / rowwise; bf16 and fp32); 5e-3 is the issue's bound, 1.7x the
+# compiled or not, TP 2 tensorwise / rowwise; bf16 and fp32); 5e-3 is the stated bound, 1.7x the
 # worst measured. Float8 numerics are deterministic here (same kernels, same reduction order).
 FLOAT8_TOLERANCE = 5e-3
 
@@ -126,7 +126,7 @@ LAYOUTS: list[Layout] = [
     Layout(
         "fsdp2_tp2_pp2_cp2", dp_shard=2, tp=2, pp=2, cp=2, flavor="tiny4", extra=("--parallelism.pp_schedule=1F1B",)
     ),
-    # Efficiency toggles (issue: toggles). Per-block compile must keep fp32 parity (1e-5).
+    # Efficiency toggles. Per-block compile must keep fp32 parity (1e-5).
     Layout("fsdp2_compile", dp_shard=2, extra=COMPILE),
     Layout("tp2_compile", tp=2, extra=COMPILE),
     Layout("fsdp2_tp2_compile", dp_shard=2, tp=2, extra=COMPILE),
