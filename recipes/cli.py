@@ -11,7 +11,6 @@ code that imports this module.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -22,8 +21,7 @@ import click
 from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs
-from core.validate import validate
-from recipes import hardware_check, launcher, local_runs, multinode, registry
+from recipes import hardware_check, launcher, modes, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -55,7 +53,7 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     ),
 }
 
-EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
+EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = modes.EXIT_FAILED, modes.EXIT_CONFIG, modes.EXIT_CANNOT
 
 
 class RecipeGroup(click.Group):
@@ -357,116 +355,22 @@ def _short(v) -> str:
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
-    with contextlib.ExitStack() as locks:  # each run folder is owned until the command ends
-        _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu)
-
-
-def _own_run_dir(locks: contextlib.ExitStack, r, cfg: JobConfig, run_dir: Path) -> None:
-    """Lock the run folder for this command and check the resume step; exit 2 naming the holder."""
-    try:
-        locks.enter_context(launcher.run_dir_lock(run_dir))
-        launcher.check_resume_step(cfg, run_dir)
-    except launcher.RunDirBusy as e:
-        _fail(f"error: {r.id}: {e}", EXIT_CONFIG)
-    except ConfigError as e:
-        _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
-
-
-def _run_rows(locks, ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
     recipes = _select(ids, table)
-    several = len(recipes) > 1
-    if gpu is not None:
-        from core.dryrun.gpuspec import SpecError, load_spec
-
-        if mode != "dry-run":
-            _fail("error: --gpu is for --mode dry-run", EXIT_CONFIG)
-        try:
-            load_spec(gpu)
-        except SpecError as e:
-            _fail(f"error: --gpu: {e}", EXIT_CONFIG)
-    if slurm and mode != "real":
-        _fail("error: --slurm is for --mode real", EXIT_CONFIG)
-    records = Path(records_dir) if records_dir else (None if out else launcher.default_records_dir())
-
-    # 1. every check that needs no process, for every row, before anything is spawned
-    plans = []
-    for r in recipes:
-        try:
-            cfg = launcher.resolve_config(r, mode, overrides, check_files=(mode == "proxy"))
-        except ConfigError as e:
-            _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
-        world = cfg.parallelism.world_size
-        nnodes = r.nnodes(world)
-        if mode == "real" and nnodes > 1 and world % r.gpus_per_node:
-            _fail(
-                f"config error: {r.id}: parallelism: world size {world} spans {nnodes} nodes "
-                f"but is not a multiple of {r.gpus_per_node} GPUs per node",
-                EXIT_CONFIG,
-            )
-        if mode == "real" and nnodes == 1 and not slurm:
-            report = hardware_check.check_node(r, cfg)
-            if not report.ok:
-                _fail(
-                    f"error: {r.id}: real mode cannot run on this machine:\n"
-                    + "".join(f"  - missing {m}\n" for m in report.missing)
-                    + "try --mode proxy (the same layout on CPU), --mode dry-run (true-scale "
-                    "memory estimate), or --slurm (an sbatch script for a GPU cluster)",
-                    EXIT_CANNOT,
-                )
-            for note in report.notes:
-                click.echo(f"note: {r.id}: {note}", err=True)
-            try:
-                validate(cfg, check_files=True)
-            except ConfigError as e:
-                _fail(f"config error: {r.id}: {e}", EXIT_CONFIG)
-        run_dir = None
-        if out and (Path(out) / (r.fname if several else "")).is_dir():
-            # a folder that may hold another run, or checkpoints to resume: checked now
-            run_dir = launcher.make_run_dir(r, out, several)
-            _own_run_dir(locks, r, cfg, run_dir)
-        plans.append((r, cfg, world, nnodes, run_dir))
-    if mode == "dry-run" and not launcher.dry_run_available():
-        _fail("error: dry-run is not available in this build (core.dryrun is missing); use --mode proxy", EXIT_CANNOT)
-
-    # 2. run, print or write each; rows launched here run last, grouped where they can be
-    local = []
-    for r, cfg, world, nnodes, run_dir in plans:
-        if run_dir is None:
-            run_dir = launcher.make_run_dir(r, out, several)
-            _own_run_dir(locks, r, cfg, run_dir)
-        job = launcher.write_job(cfg, run_dir)
-        if mode != "proxy" and not (mode == "real" and nnodes == 1 and not slurm):  # local rows: at launch
-            click.echo(
-                f"== {r.id} · {mode} · world {world}"
-                + (f" ({nnodes} nodes x {r.gpus_per_node})" if nnodes > 1 else "")
-                + f" · {run_dir}"
-            )
-        if mode == "dry-run":
-            try:
-                launcher.run_dry(cfg, run_dir, gpu)
-            except launcher.CannotRunHere as e:
-                _fail(f"error: {e}", EXIT_CANNOT)
-            dest = launcher.copy_record(run_dir / "result.json", records, mode, r)
-            click.echo(f"record: {run_dir / 'result.json'}" + (f" -> {dest}" if dest else ""))
-            continue
-        if mode == "real" and (slurm or nnodes > 1):
-            nproc = min(world, r.gpus_per_node)
-            if slurm:
-                script = run_dir / "sbatch.sh"
-                script.write_text(multinode.sbatch_script(r, cfg, run_dir, nnodes, nproc, records, sbatch_opts))
-                script.chmod(0o755)
-                click.echo(f"sbatch script: {script}\nsubmit with: sbatch {script}")
-            else:
-                click.echo(
-                    f"{r.id} needs {nnodes} nodes x {nproc} GPUs. On every node, with HOST the first node's address:\n"
-                )
-                click.echo("  " + multinode.multinode_command(nnodes, nproc, job, r.fname) + "\n")
-                click.echo("or let run-recipe write an sbatch script: add --slurm")
-            continue
-        local.append(local_runs.LocalRow(r, cfg, world, run_dir, job))
-    failed = local_runs.run_rows(local, mode, max_restarts, records)
+    options = modes.RunOptions(
+        out=Path(out) if out else None,
+        records=Path(records_dir) if records_dir else (None if out else launcher.default_records_dir()),
+        several=len(recipes) > 1,
+        max_restarts=max_restarts,
+        slurm=slurm,
+        sbatch_opts=tuple(sbatch_opts),
+        gpu=gpu,
+    )
+    try:
+        failed = modes.run_rows(modes.MODES[mode](options), recipes, overrides)
+    except modes.RowRefused as e:
+        _fail(str(e), e.code)
     if failed:
-        _fail(f"{len(failed)} of {len(plans)} runs failed: {', '.join(failed)}", EXIT_FAILED)
+        _fail(f"{len(failed)} of {len(recipes)} runs failed: {', '.join(failed)}", EXIT_FAILED)
 
 
 # ------------------------------------------------------------------------------ results

@@ -1,6 +1,7 @@
-"""Turns a recipe row into a run: resolve + validate the JobConfig, make and lock the run folder,
-then launch with torchrun (one node). The machine check: recipes/hardware_check.py; the
-multi-node torchrun command and the sbatch script: recipes/multinode.py.
+"""The mechanics every mode shares (recipes/modes.py says how each mode uses them): resolve and
+validate a row's JobConfig, make and lock its run folder, build torchrun commands and the
+launch environment, run a command into a log, copy a record. The machine check:
+recipes/hardware_check.py; the multi-node command and the sbatch script: recipes/multinode.py.
 
 Nothing here trains: every run is `python -m torch.distributed.run ... -m core.train --config
 <run_dir>/job.json`, and the trainer writes `<run_dir>/result.json` (the record).
@@ -22,7 +23,6 @@ from core.checkpoint_folder import CheckpointError, complete_steps, resolve_sour
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
 from core.fileio import atomic_copy, atomic_write_json
 from core.validate import validate
-from recipes.cluster_env import CUDA_ALLOC_CONF
 from recipes.output import stream
 from recipes.schema import Recipe
 
@@ -138,16 +138,6 @@ def torchrun_command(
 def trainer_target(config_path: Path | str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What each rank of a training run executes: `-m core.train [--config PATH] [overrides]`."""
     return ["-m", "core.train", *(["--config", str(config_path)] if config_path else []), *overrides]
-
-
-def local_command(world: int, config_paths: Path | list[Path], max_restarts: int = 0, mode: str = "real") -> list[str]:
-    """torchrun of core.train on one node; several configs run one after another in one group.
-    Proxy mode forks its ranks (recipes/forked_run.py); real mode gets torchrun itself."""
-    paths = [config_paths] if isinstance(config_paths, (str, Path)) else config_paths
-    target = trainer_target(paths[0])
-    for path in paths[1:]:
-        target += ["--config", str(path)]
-    return torchrun_command(world, target, max_restarts=max_restarts, forked=mode == "proxy")
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -285,28 +275,22 @@ def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ launching
-def launch_env(mode: str, world: int, **set_vars: str) -> dict[str, str]:
-    """The environment of every torchrun this project starts (the checkout's persistent inductor
-    cache unless one is set); `set_vars` are set as given (e.g. OMP_NUM_THREADS="1" where a test
-    compares against an in-process reference)."""
+def base_env(defaults: dict[str, str] | None = None, **set_vars: str) -> dict[str, str]:
+    """The environment of every torchrun this project starts: this one, the checkout on the
+    path, the checkout's persistent inductor cache unless one is set. `defaults`: a mode's own
+    settings, where the caller's environment has none; `set_vars` are set as given (e.g.
+    OMP_NUM_THREADS="1" where a test compares against an in-process reference)."""
     env = dict(os.environ)
     root = str(project_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if mode == "proxy":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # proxies run on CPU + gloo, whatever the node has
-    if mode == "proxy" and world > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the CPU cores
-        # ... but one rank compiles each graph while the others wait for it (compile_cache), so
-        # its C++ kernels build on every core (TP 2 x DP 2 cold first step: 27.4 s -> 23.4 s)
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(usable_cpus()))
+    for key, value in (defaults or {}).items():
+        env.setdefault(key, value)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # set from the start: torch's first cache lookup (at some imports) would fix its own default
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
     # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
     # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if mode == "real":
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # the caller's own setting wins
     env.update(set_vars)
     return env
 
@@ -360,28 +344,3 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
     record.setdefault("finished_at", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     atomic_write_json(run_dir / "result.json", record, default=str)
     return record
-
-
-def launch_trainer(
-    world: int,
-    overrides: list[str],
-    out_dir: str | Path,
-    config: str | Path | None = None,
-    mode: str = "proxy",
-    echo: bool = False,
-    max_restarts: int = 0,
-) -> dict:
-    """Programmatic launch (studies, tests): torchrun `world` CPU ranks of core.train with
-    `--section.key=value` overrides, output in out_dir; returns the record (result.json).
-    Raises RuntimeError with the log's tail when the run fails."""
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode}"])
-    cmd = torchrun_command(world, target, max_restarts=max_restarts, forked=mode == "proxy")
-    log = out_dir / "train.log"
-    with run_dir_lock(out_dir):
-        rc = run_logged(cmd, launch_env(mode, world), log, echo)
-    result = out_dir / "result.json"
-    if rc != 0 or not result.is_file():
-        raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{log_tail(log)}")
-    return json.loads(result.read_text())

@@ -7,72 +7,57 @@ launch, the row that failed is reported and the rows after it run again in a new
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from core.config import JobConfig
-from recipes import launcher
 from recipes.output import stream
-from recipes.schema import Recipe
+
+if TYPE_CHECKING:  # recipes/modes.py hands itself in: a type name only
+    from recipes.modes import Row, RowMode
 
 
-@dataclass
-class LocalRow:
-    recipe: Recipe
-    cfg: JobConfig
-    world: int
-    run_dir: Path
-    job: Path  # the job config written into run_dir
-
-
-def groups(rows: list[LocalRow], mode: str, max_restarts: int) -> list[list[LocalRow]]:
-    """Consecutive rows that can share a launch: proxy mode, no restarts (a restart resumes one
-    job), one world size and one [comm] (the process group's settings)."""
-    out: list[list[LocalRow]] = []
+def groups(rows: list[Row], shared: bool) -> list[list[Row]]:
+    """Consecutive rows that can share a launch (when the mode allows it, `shared`): one world
+    size and one [comm] (the process group's settings)."""
+    out: list[list[Row]] = []
     for row in rows:
         last = out[-1][-1] if out else None
-        if (
-            mode == "proxy"
-            and not max_restarts
-            and last is not None
-            and (last.world, last.cfg.comm) == (row.world, row.cfg.comm)
-        ):
+        if shared and last is not None and (last.world, last.cfg.comm) == (row.world, row.cfg.comm):
             out[-1].append(row)
         else:
             out.append([row])
     return out
 
 
-def _launch(rows: list[LocalRow], mode: str, max_restarts: int) -> tuple[int, float]:
-    cmd = launcher.local_command(rows[0].world, [r.job for r in rows], max_restarts, mode)
+def _launch(rows: list[Row], mode: RowMode) -> tuple[int, float]:
+    cmd = mode.command(rows[0].world, [r.job for r in rows], mode.options.max_restarts)
     for r in rows:
         (r.run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     click.echo("$ " + " ".join(cmd))
     logs = {r.cfg.job.output_dir: r.run_dir / "train.log" for r in rows} if len(rows) > 1 else None
     started = time.time()
-    rc = stream(cmd, launcher.launch_env(mode, rows[0].world), rows[0].run_dir / "train.log", job_logs=logs)
+    rc = stream(cmd, mode.env(rows[0].world), rows[0].run_dir / "train.log", job_logs=logs)
     return rc, started
 
 
-def run_rows(rows: list[LocalRow], mode: str, max_restarts: int, records: Path | None) -> list[str]:
-    """Run every row (grouped where they can share a launch); copy each record to `records`.
-    Returns the ids of the rows that failed."""
+def run_rows(rows: list[Row], mode: RowMode) -> list[str]:
+    """Run every row (grouped where they can share a launch); copy each record to the mode's
+    records folder. Returns the ids of the rows that failed."""
     failed = []
-    pending = groups(rows, mode, max_restarts)
+    pending = groups(rows, mode.shares_launch())
     while pending:
         group = pending.pop(0)
         for r in group:
-            click.echo(f"== {r.recipe.id} · {mode} · world {r.world} · {r.run_dir}")
+            click.echo(mode.banner(r))
         if len(group) > 1:
             click.echo(f"-- these {len(group)} rows share one torchrun, one after another")
-        rc, started = _launch(group, mode, max_restarts)
+        rc, started = _launch(group, mode)
         for i, r in enumerate(group):
             result = r.run_dir / "result.json"
             fresh = result.is_file() and result.stat().st_mtime >= started  # not a previous run's record
             if fresh and (rc == 0 or i < len(group) - 1):  # a failed launch: its last row failed
-                dest = launcher.copy_record(result, records, mode, r.recipe)
+                dest = mode.record(result, r.recipe, mode.options.records)
                 click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
                 continue
             click.echo(f"FAILED: {r.recipe.id} (exit {rc}); log: {r.run_dir / 'train.log'}", err=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.config import load_config
 from core.validate import validate
-from recipes import launcher
+from recipes import launcher, modes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ TINY_JOB = [
 def dist_env(nproc: int = 2) -> dict[str, str]:
     """The launcher's CPU environment, one thread per rank at every world size (the tests compare
     with in-process references)."""
-    return launcher.launch_env("proxy", nproc, OMP_NUM_THREADS="1")
+    return modes.PROXY.env(nproc, OMP_NUM_THREADS="1")
 
 
 torchrun_command = launcher.torchrun_command

@@ -30,7 +30,7 @@ from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer
 from core.train import run
 from core.validate import validate
-from recipes.launcher import launch_env, local_command
+from recipes.modes import PROXY, RealMode
 from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
 from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, torchrun_command
 
@@ -338,9 +338,9 @@ def _children_of(pid: int) -> set[int]:
 
 
 def test_launcher_max_restarts_flag(tmp_path):
-    assert "--max-restarts=1" in local_command(2, tmp_path / "job.json", max_restarts=1)
-    assert not any(a.startswith("--max-restarts") for a in local_command(2, tmp_path / "job.json"))
-    assert launch_env("proxy", 2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "--max-restarts=1" in RealMode().command(2, [tmp_path / "job.json"], max_restarts=1)
+    assert not any(a.startswith("--max-restarts") for a in RealMode().command(2, [tmp_path / "job.json"]))
+    assert PROXY.env(2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from core.config import JOB_MARKER
-from recipes import launcher, registry
+from recipes import launcher, modes, registry
 from recipes.cli import main
 from tests.dist_utils import TINY_JOB
 
@@ -192,22 +192,22 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
 
 
 def test_launch_command_and_env(monkeypatch):
-    cmd = launcher.local_command(4, Path("/x/job.json"))
+    cmd = modes.RealMode().command(4, [Path("/x/job.json")])
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["-m", "core.train", "--config", "/x/job.json"]
-    proxy = launcher.local_command(4, Path("/x/job.json"), mode="proxy")  # the same options, ranks forked
+    proxy = modes.PROXY.command(4, [Path("/x/job.json")])  # the same options, ranks forked
     assert proxy == [sys.executable, "-u", "-m", "recipes.forked_run", *cmd[3:]]
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    env = launcher.launch_env("proxy", 4)
+    env = modes.PROXY.env(4)
     assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
     # one rank compiles each graph while the others wait: its C++ kernels build on every core
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(launcher.usable_cpus()) == str(len(os.sched_getaffinity(0)))
-    assert "OMP_NUM_THREADS" not in launcher.launch_env("proxy", 1)
+    assert "OMP_NUM_THREADS" not in modes.PROXY.env(1)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert launcher.launch_env("real", 8)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()
+    assert modes.RealMode().env(8)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
-    assert launcher.launch_env("proxy", 2)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"  # the caller's wins
+    assert modes.PROXY.env(2)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"  # the caller's wins
 
 
 def test_one_torchrun_command_builder():
@@ -238,7 +238,7 @@ def test_one_torchrun_command_builder():
         "--config",
         "j.json",
     ]
-    assert launcher.launch_env("proxy", 1, OMP_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
+    assert modes.PROXY.env(1, OMP_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
     assert launcher.results_root() == launcher.project_root() / "results"
 
 
@@ -406,7 +406,7 @@ def test_rows_of_one_world_size_share_one_torchrun(tmp_path):
     # the same job alone, under torchrun itself (fresh interpreters): the same losses
     alone = tmp_path / "alone"
     cmd = launcher.torchrun_command(2, launcher.trainer_target(dirs[ROW] / "job.json", [f"--job.output_dir={alone}"]))
-    env = launcher.launch_env("proxy", 2)
+    env = modes.PROXY.env(2)
     ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads((alone / "result.json").read_text())["losses"] == second["losses"]
@@ -422,7 +422,7 @@ def test_forked_launch_reports_a_failing_rank(tmp_path):
     code is non-zero and the rank's own message is in the output."""
     target = launcher.trainer_target(None, [*TINY_JOB, "--parallelism.dp_shard=4", f"--job.output_dir={tmp_path}"])
     cmd = launcher.torchrun_command(2, target, forked=True)
-    env = launcher.launch_env("proxy", 2)
+    env = modes.PROXY.env(2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0 and "not the world size 2" in proc.stderr, proc.stderr[-3000:]
     with pytest.raises(ValueError, match="one node"):
@@ -458,7 +458,7 @@ def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch
         run_dir = tmp_path / r.fname
         run_dir.mkdir()
         cfg.job.output_dir = str(run_dir)
-        rows.append(local_runs.LocalRow(r, cfg, 2, run_dir, run_dir / "job.json"))
+        rows.append(modes.Row(r, cfg, run_dir, run_dir / "job.json"))
     (rows[2].run_dir / "result.json").write_text("{}")  # a previous run's record: not this run's
     time.sleep(0.05)
     launches = []
@@ -473,10 +473,15 @@ def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch
         return 0
 
     monkeypatch.setattr(local_runs, "stream", fake_stream)
-    assert [len(g) for g in local_runs.groups(rows, "proxy", 0)] == [3]
-    assert [len(g) for g in local_runs.groups(rows, "real", 0)] == [1, 1, 1]  # real rows: one launch each
-    assert [len(g) for g in local_runs.groups(rows, "proxy", 2)] == [1, 1, 1]  # a restart resumes one job
-    failed = local_runs.run_rows(rows, "proxy", 0, None)
+    shares = {
+        (m, n): modes.MODES[m](modes.RunOptions(max_restarts=n)).shares_launch()
+        for m in ("proxy", "real")
+        for n in (0, 2)
+    }
+    assert [len(g) for g in local_runs.groups(rows, shares["proxy", 0])] == [3]
+    assert [len(g) for g in local_runs.groups(rows, shares["real", 0])] == [1, 1, 1]  # real rows: one launch each
+    assert [len(g) for g in local_runs.groups(rows, shares["proxy", 2])] == [1, 1, 1]  # a restart resumes one job
+    failed = local_runs.run_rows(rows, modes.ProxyMode(modes.RunOptions()))
     assert failed == [rows[1].recipe.id]
     assert launches == [[str(r.job) for r in rows], [str(rows[2].job)]]
     assert all((r.run_dir / "command.txt").is_file() for r in rows)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from recipes import launcher, multinode, readme, registry
+from recipes import launcher, modes, multinode, readme, registry
 from recipes.cli import main
 
 pytestmark = pytest.mark.dryrun
@@ -54,7 +54,7 @@ def test_readme_multinode_command_is_what_run_recipe_prints(tmp_path):
     printed = printed.replace("'<run dir>/job.json'", "<run dir>/job.json")
     joined = [b.replace("\\\n    ", "").strip() for b in _blocks()]
     assert printed in joined, f"README's multi-node command differs from:\n{printed}"
-    local = " ".join(launcher.local_command(8, Path("runs/<id__>/<timestamp>/job.json")))
+    local = " ".join(modes.RealMode().command(8, [Path("runs/<id__>/<timestamp>/job.json")]))
     local = local.replace(launcher.sys.executable, ".venv/bin/python")
     assert local in joined
 

@@ -22,7 +22,7 @@ from core.data.datasets import TokenWindowLoader, data_sharding, synthetic_docum
 from core.parallel.mesh import ParallelDims, mesh_groups
 from core.train import Trainer
 from core.validate import validate
-from recipes import cluster_env, launcher, multinode, registry
+from recipes import cluster_env, launcher, modes, multinode, registry
 from recipes.studies import preflight as P
 from tests.dist_utils import TINY_JOB
 
@@ -98,10 +98,10 @@ def test_peak_memory_is_reset_after_the_first_step(monkeypatch):
 
 def test_launch_env_sets_expandable_segments_for_real_runs(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert launcher.launch_env("real", 8)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in launcher.launch_env("proxy", 2)
+    assert modes.RealMode().env(8)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in modes.PROXY.env(2)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # the user's own wins
-    assert launcher.launch_env("real", 8)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert modes.RealMode().env(8)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
 # ------------------------------------------------------------------- defect 3: data, timing
@@ -268,7 +268,7 @@ def test_preflight_proxy_form_passes_and_names_what_it_skipped(tmp_path):
     cmd = [launcher.sys.executable, "-m", "recipes.cli", "preflight", "--out", str(tmp_path)]
     t0 = time.perf_counter()
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=launcher.launch_env("proxy", 1), capture_output=True, text=True, timeout=900, check=False
+        cmd, cwd=ROOT, env=modes.PROXY.env(1), capture_output=True, text=True, timeout=900, check=False
     )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -30,7 +30,7 @@ from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
 from core.train import Trainer, init_distributed
 from core.validate import validate
-from recipes import launcher
+from recipes import modes
 from recipes.studies.parity_layouts import FLOAT8_TOLERANCE  # the parity suite's, justified there
 from tests.dist_utils import GROUPS, ROOT, TINY_JOB, max_abs_diff, run_trainer
 
@@ -189,7 +189,7 @@ def test_cpu_isa_probes_run_in_background_and_pick_what_inductor_picks():
     """The probes inductor runs one after another at the first compile run in threads started
     with compile (core.toggles.compile): inductor then builds nothing more, and picks the ISA it
     picks alone. The project's cache: cold on a fresh machine, and `check_build` runs either way."""
-    env = launcher.launch_env("proxy", 1)
+    env = modes.PROXY.env(1)
     procs = {
         how: subprocess.Popen(
             [sys.executable, "-c", ISA_PICK, how], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True

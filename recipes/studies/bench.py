@@ -19,7 +19,7 @@ from core.config import load_config
 from core.reference import reference_run
 from core.train import Trainer
 from core.validate import validate
-from recipes import launcher
+from recipes import launcher, modes
 from recipes.results import read_csv, write_csv
 from recipes.studies import checkpoint_bench, toggles_bench
 from recipes.studies.common import one_rank_group, synthetic_job
@@ -73,7 +73,7 @@ def fsdp_state_bytes(worlds=(1, 2, 4), flavor: str = "debug") -> dict[int, int]:
     out = {}
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
-            rec = launcher.launch_trainer(world, synthetic_job(flavor, 64, 2, 2), Path(tmp))
+            rec = modes.launch_trainer(world, synthetic_job(flavor, 64, 2, 2), Path(tmp))
         out[world] = max(
             p + o for p, o in zip(rec["param_bytes_per_rank"], rec["optimizer_bytes_per_rank"], strict=True)
         )

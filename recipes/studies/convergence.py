@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from core.fileio import atomic_write_json
-from recipes import launcher, results, table_data
+from recipes import launcher, modes, results, table_data
 from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
 
@@ -112,9 +112,9 @@ def run_row(
     run_dir = launcher.make_run_dir(recipe, run_dir, several=False)
     job = launcher.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
-    cmd = launcher.local_command(world, job, mode="proxy")
+    cmd = modes.PROXY.command(world, [job])
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    env = launcher.launch_env("proxy", world)
+    env = modes.PROXY.env(world)
     result = run_dir / "result.json"
     t0 = time.perf_counter()
     for attempt in range(1, (RESUME_ATTEMPTS if resumable else 1) + 1):

@@ -27,7 +27,7 @@ from core.config import load_config
 from core.fileio import atomic_write_json
 from core.train import Trainer, init_distributed
 from core.validate import validate
-from recipes import launcher
+from recipes import launcher, modes
 from recipes.studies.common import synthetic_job
 
 WORKER = "recipes.studies.cp_memory"  # each rank of a measurement runs this module's __main__
@@ -66,7 +66,7 @@ def measure(cp: int, seq: int, flavor: str, tmp: Path) -> list[dict]:
     out.unlink(missing_ok=True)
     cmd = launcher.torchrun_command(cp, ["-m", WORKER, "--worker", str(out), "--", *_overrides(cp, seq, flavor)])
     log = tmp / f"cp{cp}.log"
-    rc = launcher.run_logged(cmd, launcher.launch_env("proxy", cp), log)
+    rc = launcher.run_logged(cmd, modes.PROXY.env(cp), log)
     if rc != 0 or not out.is_file():
         raise RuntimeError(f"cp {cp} failed:\n" + launcher.log_tail(log))
     return json.loads(out.read_text())

@@ -1,6 +1,6 @@
 """Loss parity: every N-D layout against the single-process reference, step by step.
 
-Each layout runs the real trainer under torchrun (`recipes.launcher.launch_trainer`) on a tiny
+Each layout runs the real trainer under torchrun (`recipes.modes.launch_trainer`) on a tiny
 model and the synthetic token stream; the reference is `core.reference.reference_run` on the same
 config in this process. Every layout keeps the global batch at GLOBAL_BATCH sequences (local batch
 = GLOBAL_BATCH / dp), so one reference run serves all layouts of a model flavor and dtype, and
@@ -36,7 +36,7 @@ from tabulate import tabulate
 from core.config import load_config
 from core.reference import reference_run
 from core.validate import validate
-from recipes import launcher
+from recipes import launcher, modes
 from recipes.studies.parity_layouts import BASE, TOLERANCE, Layout, select
 from recipes.studies.parity_tables import write_results
 
@@ -66,7 +66,7 @@ def run_layout(layout: Layout, dtype: str, out_dir: Path) -> dict:
     validate(load_config(None, overrides), layout.world_size, check_files=False)  # before spawning
     (Path(out_dir) / "result.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    record = launcher.launch_trainer(layout.world_size, overrides, out_dir)
+    record = modes.launch_trainer(layout.world_size, overrides, out_dir)
     return compare(layout, dtype, record, time.perf_counter() - t0)
 
 
@@ -93,7 +93,7 @@ def run_grouped(layouts: list[Layout], dtype: str, out_dir: Path, timeout: float
         log = spec.with_suffix(".log")
         t0 = time.perf_counter()
         # after a timeout, the jobs that finished have their result.json
-        launcher.run_logged(cmd, launcher.launch_env("proxy", world), log, timeout=timeout)
+        launcher.run_logged(cmd, modes.PROXY.env(world), log, timeout=timeout)
         wall = (time.perf_counter() - t0) / len(group)
         for lay in group:
             d = Path(out_dir).resolve() / lay.name

@@ -30,7 +30,7 @@ from pathlib import Path
 import click
 
 from core.fileio import atomic_write_json
-from recipes import launcher
+from recipes import launcher, modes
 
 STEPS = 6
 PARITY_TOL = 1e-5  # fp32: only the summation order differs (as recipes/studies/parity.py)
@@ -177,7 +177,7 @@ def run_init_check(
     log = out.with_suffix(".log")
     rc = launcher.run_logged(
         launcher.torchrun_command(world, target, forked=mode == "proxy"),
-        launcher.launch_env(mode, world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
+        modes.MODES[mode]().env(world, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
         log,
         timeout=timeout,
     )
@@ -218,7 +218,7 @@ class Preflight:
         out = self.out / name
         out.mkdir(parents=True, exist_ok=True)
         target = launcher.trainer_target(None, [*overrides, f"--job.output_dir={out}", f"--job.mode={self.mode}"])
-        env = launcher.launch_env(self.mode, world, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
+        env = modes.MODES[self.mode]().env(world, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
         t0 = time.perf_counter()
         cmd = launcher.torchrun_command(world, target, forked=not self.real)
         rc = launcher.run_logged(cmd, env, out / "train.log", timeout=timeout)

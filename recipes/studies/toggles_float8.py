@@ -8,7 +8,7 @@ import tempfile
 from core.config import load_config
 from core.reference import reference_run
 from core.validate import validate
-from recipes import launcher
+from recipes import modes
 from recipes.studies.common import one_rank_group
 from recipes.studies.toggles_interleaved import bench_overrides, interleaved, max_diff, median
 
@@ -56,7 +56,7 @@ def float8_fsdp(flavor: str = "tiny", seq_len: int = 64, batch: int = 8, steps: 
     out, losses = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("bf16", []), ("float8", fp8)):
-            rec = launcher.launch_trainer(2, world2 + ["--" + o for o in extra], f"{tmp}/{name}")
+            rec = modes.launch_trainer(2, world2 + ["--" + o for o in extra], f"{tmp}/{name}")
             losses[name] = rec["losses"]
             out[name] = {
                 "max_loss_diff": max_diff(rec["losses"], ref),

@@ -19,7 +19,7 @@ from core.config import Compile
 from core.models.llama3 import FLAVORS, create_model
 from core.parallel.parallelize import Toggles
 from core.toggles.compile import apply_compile
-from recipes import launcher
+from recipes import launcher, modes
 
 PROBE_MODULE = "recipes.studies.toggles_probe"  # run as `python -m` for a cold-compile probe
 
@@ -70,9 +70,7 @@ def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> d
             ("whole_cold", "whole", "whole"),
             ("block_warm", "block", "block"),
         ):
-            env = launcher.launch_env(
-                "proxy", 1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", TORCHINDUCTOR_COMPILE_THREADS="1"
-            )
+            env = modes.PROXY.env(1, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/{cache}", TORCHINDUCTOR_COMPILE_THREADS="1")
             cmd = [
                 sys.executable,
                 "-m",
