@@ -28,6 +28,10 @@ from recipes.schema import MODES, TABLES, RecipeError
 # name -> ("module:attribute" of a click command, imported lazily; its line in `--help`).
 EXTENSIONS: dict[str, tuple[str, str]] = {
     "bench": ("recipes.studies.bench:bench", "Trainer overhead, proxy MFU, FSDP memory per rank (+ the two below)."),
+    "benchmark-report": (
+        "recipes.benchmark_report:benchmark_report",
+        "results/benchmarks/<date>-<cpu>.md from the measurements already written, and its index.",
+    ),
     "checkpoint-bench": (
         "recipes.studies.checkpoint_bench:checkpoint_bench",
         "Checkpoint overhead: sync vs async DCP save.",
