@@ -206,49 +206,8 @@ def show_cmd(recipe_id, as_json, overrides):
         _fail(f"error: {e}", EXIT_CONFIG)
     hard, advisory = hardware_check.real_requirements(r, cfgs["real"])
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "id": r.id,
-                    "title": r.title,
-                    "table": r.table,
-                    "row": r.row,
-                    "order": r.order,
-                    "techniques": list(r.techniques),
-                    "baseline": r.baseline,
-                    "source": r.source,
-                    "paper": {
-                        "gpus": r.gpus,
-                        "gpus_per_node": r.gpus_per_node,
-                        "nodes": r.nnodes(),
-                        "config": cfgs["real"].to_dict(),
-                    },
-                    "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
-                    "reference": r.reference,
-                    "requires": {
-                        "real": hard,
-                        "advisory": advisory,
-                        "proxy": list(r.requires.get("proxy", ["cpu"])),
-                        "dry-run": ["core.dryrun"],
-                    },
-                },
-                indent=2,
-            )
-        )
+        click.echo(json.dumps(_show_record(r, cfgs, hard, advisory), indent=2))
         return
-    defaults = _flat(JobConfig().to_dict())
-    paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
-    skip = ("job.", "tokenizer.path", "data.path")
-    docs = field_docs()
-    rows = [
-        [k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")]
-        for k in paper
-        if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)
-    ]
-    rows += [
-        [k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
-        for k in ("tokenizer.path", "data.path")
-    ]
     click.echo(f"{r.id} — {r.title}")
     click.echo(f"{r.table}, row {r.order}: {r.row}   techniques: {', '.join(r.techniques)}")
     if r.baseline:
@@ -263,7 +222,7 @@ def show_cmd(recipe_id, as_json, overrides):
     click.echo("configuration (keys that differ from the JobConfig defaults)")
     click.echo(
         tabulate(
-            rows,
+            _config_rows(cfgs),
             headers=["key", "paper (real, dry-run)", "proxy", "meaning"],
             disable_numparse=True,
             maxcolwidths=[None, None, None, 60],
@@ -278,6 +237,57 @@ def show_cmd(recipe_id, as_json, overrides):
         )
     )
     click.echo("\nmodes")
+    for line in _mode_lines(r, cfgs, hard, advisory):
+        click.echo(line)
+
+
+def _show_record(r, cfgs: dict[str, JobConfig], hard: list[str], advisory: list[str]) -> dict:
+    """`show --json`: the row, both resolved configs, its figures and what each mode needs."""
+    return {
+        "id": r.id,
+        "title": r.title,
+        "table": r.table,
+        "row": r.row,
+        "order": r.order,
+        "techniques": list(r.techniques),
+        "baseline": r.baseline,
+        "source": r.source,
+        "paper": {
+            "gpus": r.gpus,
+            "gpus_per_node": r.gpus_per_node,
+            "nodes": r.nnodes(),
+            "config": cfgs["real"].to_dict(),
+        },
+        "proxy": {"world": cfgs["proxy"].parallelism.world_size, "config": cfgs["proxy"].to_dict()},
+        "reference": r.reference,
+        "requires": {
+            "real": hard,
+            "advisory": advisory,
+            "proxy": list(r.requires.get("proxy", ["cpu"])),
+            "dry-run": ["core.dryrun"],
+        },
+    }
+
+
+def _config_rows(cfgs: dict[str, JobConfig]) -> list[list[str]]:
+    """Keys whose paper or proxy value differs from the JobConfig default, then the asset paths."""
+    defaults = _flat(JobConfig().to_dict())
+    paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
+    skip = ("job.", "tokenizer.path", "data.path")
+    docs = field_docs()
+    rows = [
+        [k, _short(paper[k]), _short(proxy[k]), docs.get(k, "")]
+        for k in paper
+        if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)
+    ]
+    return rows + [
+        [k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
+        for k in ("tokenizer.path", "data.path")
+    ]
+
+
+def _mode_lines(r, cfgs: dict[str, JobConfig], hard: list[str], advisory: list[str]) -> list[str]:
+    """What each mode needs, and whether this machine has it."""
     report = hardware_check.check_node(r, cfgs["real"]) if r.nnodes() == 1 else None
     here = (
         "runs here"
@@ -286,20 +296,15 @@ def show_cmd(recipe_id, as_json, overrides):
         if report
         else f"{r.nnodes()} nodes: prints the torchrun command, or --slurm writes an sbatch script"
     )
-    click.echo(
+    dry = "available" if launcher.dry_run_available() else "not available in this build"
+    return [
         f"  real:    needs {', '.join(hard)}"
         + (f"; advisory {', '.join(advisory)}" if advisory else "")
-        + f"  [{here}]"
-    )
-    click.echo(
+        + f"  [{here}]",
         f"  proxy:   needs {', '.join(r.requires.get('proxy', ['cpu']))}, world "
-        f"{cfgs['proxy'].parallelism.world_size} processes, offline assets "
-        f"(python -m core.data.assets --all)"
-    )
-    click.echo(
-        f"  dry-run: needs core.dryrun  "
-        f"[{'available' if launcher.dry_run_available() else 'not available in this build'}]"
-    )
+        f"{cfgs['proxy'].parallelism.world_size} processes, offline assets (python -m core.data.assets --all)",
+        f"  dry-run: needs core.dryrun  [{dry}]",
+    ]
 
 
 def _short(v) -> str:

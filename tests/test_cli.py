@@ -445,8 +445,6 @@ def test_job_logs_split_a_multi_job_launch_at_its_markers(tmp_path):
 def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch):
     """A shared launch that ends with a row's failure: the rows before it keep their records, that
     row is reported, the rows after it run again in a new launch."""
-    from recipes import local_runs
-
     rows = []
     for rid in (
         "llama3_8b/table1/8gpu_fsdp",
@@ -472,16 +470,16 @@ def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch
         (rows[2].run_dir / "result.json").write_text("{}")
         return 0
 
-    monkeypatch.setattr(local_runs, "stream", fake_stream)
+    monkeypatch.setattr(modes, "stream", fake_stream)
     shares = {
         (m, n): modes.MODES[m](modes.RunOptions(max_restarts=n)).shares_launch()
         for m in ("proxy", "real")
         for n in (0, 2)
     }
-    assert [len(g) for g in local_runs.groups(rows, shares["proxy", 0])] == [3]
-    assert [len(g) for g in local_runs.groups(rows, shares["real", 0])] == [1, 1, 1]  # real rows: one launch each
-    assert [len(g) for g in local_runs.groups(rows, shares["proxy", 2])] == [1, 1, 1]  # a restart resumes one job
-    failed = local_runs.run_rows(rows, modes.ProxyMode(modes.RunOptions()))
+    assert [len(g) for g in modes.groups(rows, shares["proxy", 0])] == [3]
+    assert [len(g) for g in modes.groups(rows, shares["real", 0])] == [1, 1, 1]  # real rows: one launch each
+    assert [len(g) for g in modes.groups(rows, shares["proxy", 2])] == [1, 1, 1]  # a restart resumes one job
+    failed = modes.run_local_rows(rows, modes.ProxyMode(modes.RunOptions()))
     assert failed == [rows[1].recipe.id]
     assert launches == [[str(r.job) for r in rows], [str(rows[2].job)]]
     assert all((r.run_dir / "command.txt").is_file() for r in rows)
