@@ -8,7 +8,6 @@ is spawned); every field carries a one-line doc (`field_docs()`, printed by `run
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import typing
@@ -319,7 +318,14 @@ def field_docs() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------- loading
-field_types = functools.cache(typing.get_type_hints)  # resolved annotations of a section class
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}  # a cache: annotations never change
+
+
+def field_types(section: type) -> dict[str, Any]:
+    """The resolved annotations of a section class."""
+    if section not in _FIELD_TYPES:
+        _FIELD_TYPES[section] = typing.get_type_hints(section)
+    return _FIELD_TYPES[section]
 
 
 def _section_class(name: str):

@@ -160,8 +160,10 @@ def select(patterns: list[str] | tuple[str, ...] = (), table: str | None = None)
             chosen.append(get(pat))
     if table:
         chosen += by_table(table)
-    seen: set[str] = set()
-    return [r for r in chosen if not (r.id in seen or seen.add(r.id))]
+    unique: dict[str, Recipe] = {}
+    for r in chosen:
+        unique.setdefault(r.id, r)  # each id once, where it first came
+    return list(unique.values())
 
 
 def table_info() -> dict[str, dict]:

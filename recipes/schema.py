@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.config import JobConfig, Parallelism, apply_dict
+from core.config import JobConfig, Mode, Parallelism, apply_dict
 
 MODES = ("real", "proxy", "dry-run")
 TABLES = ("table1", "table2", "table3", "table4", "table5", "loss_convergence")
@@ -95,7 +95,7 @@ class Recipe:
             return deep_merge(self.paper_config, self.proxy_config)
         return copy.deepcopy(self.paper_config)
 
-    def job_config(self, mode: str) -> JobConfig:
+    def job_config(self, mode: Mode) -> JobConfig:
         """JobConfig defaults <- the mode's overlay, with job.recipe/mode/name set. Not validated."""
         cfg = apply_dict(JobConfig(), self.overlay(mode), self.source or self.id)
         cfg.job.recipe = self.id
