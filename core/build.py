@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+# private: DTensor's RNG tracker has no public hook (torchtitan sets it the same way)
 from torch.distributed.tensor import _random as dtensor_random
 
 from core.config import JobConfig

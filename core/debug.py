@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# private, no public API: a live group's timeout, the table of groups (tests/test_private_apis.py)
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from core.fileio import atomic_write
@@ -65,7 +67,8 @@ def set_pg_timeouts(seconds: float, exclude=()) -> int:
 
 def pg_timeout_seconds(pg=None) -> float:
     """The timeout a group's backend currently applies (for checks and tests)."""
-    pg = pg or dist.distributed_c10d._get_default_group()
+    pg = pg or dist.group.WORLD
+    # private: a backend's options hold the timeout it applies
     backend = pg._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return backend.options._timeout.total_seconds()
 
@@ -118,7 +121,7 @@ def _dump(cfg, reason: str) -> Path:
     rank = dist.get_rank()
     cuda = torch.cuda.is_available()
     # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one
-    c10d = torch._C._distributed_c10d
+    c10d = torch._C._distributed_c10d  # private: the Flight Recorder's dumps have no public API
     dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
     raw = (dump or c10d._dump_fr_trace)()
     data = pickle.loads(raw)

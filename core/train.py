@@ -427,7 +427,7 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
     for i, cfg in enumerate(cfgs):
         if len(cfgs) > 1:
             if i:  # a later job starts clean: its own compiled graphs (served by inductor's cache)
-                torch._dynamo.reset()
+                torch.compiler.reset()
             dist.barrier()  # the previous job's output is out before the marker
             if dist.get_rank() == 0:
                 print(f"{JOB_MARKER} {cfg.job.output_dir}", flush=True)  # a protocol line, not a log line

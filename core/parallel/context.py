@@ -17,6 +17,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+# private: the ring attention's kernels, called here with CPU flash attention (no public entry)
 import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh

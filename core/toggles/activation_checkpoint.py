@@ -19,6 +19,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
+
+# private module, the wrapper torchtitan and FSDP2's docs use for per-block AC
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 
 import torch
-import torch.distributed._symmetric_memory as symm_mem
+import torch.distributed._symmetric_memory as symm_mem  # private: AsyncTP's only API in torch 2.13
 from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import ConfigError, JobConfig
