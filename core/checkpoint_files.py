@@ -25,6 +25,7 @@ from core.checkpoint_folder import (
     read_info,
     rename_complete,
 )
+from core.config import flatten_keys
 from core.fileio import atomic_write_json
 from core.models.args import ModelArgs
 from core.models.hf_convert import load_hf, save_hf
@@ -115,7 +116,7 @@ def check_shapes(path: Path, metadata, state: dict, info: dict, args=None) -> No
                 + ", ".join(f"{k} {a} (checkpoint) != {b} (this run)" for k, (a, b) in diff.items())
             )
     stored = metadata.state_dict_metadata
-    for key, value in _flatten(state).items():
+    for key, value in flatten_keys(state).items():
         if key not in stored:
             raise CheckpointError(f"{path / METADATA}: has no entry {key!r} (a checkpoint of another model or layout?)")
         if isinstance(value, torch.Tensor):
@@ -126,16 +127,6 @@ def check_shapes(path: Path, metadata, state: dict, info: dict, args=None) -> No
                     f"{path / METADATA}: {key} has shape {got}, this run needs "
                     f"{tuple(value.shape)} (a checkpoint of another model shape)"
                 )
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # ------------------------------------------------------------------- single-process tools

@@ -318,6 +318,17 @@ def field_docs() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------- loading
+def flatten_keys(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the dotted keys of a nested dict (configs, state dicts)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}  # a cache: annotations never change
 
 

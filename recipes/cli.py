@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
-from core.config import ConfigError, JobConfig, field_docs
+from core.config import ConfigError, JobConfig, field_docs, flatten_keys
 from recipes import hardware_check, launcher, modes, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
@@ -164,21 +164,11 @@ def _visible_gpus() -> int:
 
 
 # --------------------------------------------------------------------------------- show
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 @main.command("keys")
 @click.argument("pattern", required=False, default="")
 def keys_cmd(pattern):
     """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
-    defaults = _flat(JobConfig().to_dict())
+    defaults = flatten_keys(JobConfig().to_dict())
     rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
@@ -271,8 +261,8 @@ def _show_record(r, cfgs: dict[str, JobConfig], hard: list[str], advisory: list[
 
 def _config_rows(cfgs: dict[str, JobConfig]) -> list[list[str]]:
     """Keys whose paper or proxy value differs from the JobConfig default, then the asset paths."""
-    defaults = _flat(JobConfig().to_dict())
-    paper, proxy = _flat(cfgs["real"].to_dict()), _flat(cfgs["proxy"].to_dict())
+    defaults = flatten_keys(JobConfig().to_dict())
+    paper, proxy = flatten_keys(cfgs["real"].to_dict()), flatten_keys(cfgs["proxy"].to_dict())
     skip = ("job.", "tokenizer.path", "data.path")
     docs = field_docs()
     rows = [

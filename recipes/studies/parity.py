@@ -38,7 +38,7 @@ from core.reference import reference_run
 from core.validate import validate
 from recipes import launcher, modes
 from recipes.studies.parity_layouts import BASE, TOLERANCE, Layout, select
-from recipes.studies.parity_tables import write_results
+from recipes.studies.parity_tables import HEADERS, write_results
 
 GROUP_WORKER = "recipes.studies.group_worker"  # runs a group's jobs inside one torchrun
 
@@ -208,22 +208,7 @@ def parity(layouts, dtype, list_only, out, results_dir, grouped):
         ]
         for r in rows
     ]
-    click.echo(
-        tabulate(
-            table,
-            headers=[
-                "layout",
-                "world",
-                "dtype",
-                "steps",
-                "max abs diff",
-                "tolerance",
-                "passed",
-                "step s",
-                "peak MB/rank",
-            ],
-        )
-    )
+    click.echo(tabulate(table, headers=HEADERS))
     if rows:
         write_results(rows, Path(results_dir) if results_dir else launcher.results_root())
     if not all(r["passed"] for r in rows):

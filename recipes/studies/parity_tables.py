@@ -27,6 +27,9 @@ from recipes.studies.parity_layouts import (
 
 CSV_COLUMNS = ["layout", "world_size", "dtype", "steps", "max_abs_diff", "tolerance", "passed"]
 
+# the columns the console table and the Markdown table share
+HEADERS = ["layout", "world", "dtype", "steps", "max abs diff", "tolerance", "passed", "step s", "peak MB/rank"]
+
 
 # ------------------------------------------------------------------------------------ writing
 def versions() -> dict:
@@ -163,23 +166,5 @@ def markdown(rows: list[dict], details: dict) -> str:
                 _fmt_csv(d["grad_norm_max_rel_diff"]) if d.get("grad_norm_max_rel_diff") is not None else "",
             ]
         )
-    lines.append(
-        tabulate(
-            table,
-            headers=[
-                "layout",
-                "world",
-                "dtype",
-                "steps",
-                "max abs diff",
-                "tolerance",
-                "passed",
-                "step s",
-                "peak MB/rank",
-                "clipped steps",
-                "grad-norm rel diff",
-            ],
-            tablefmt="github",
-        )
-    )
+    lines.append(tabulate(table, headers=[*HEADERS, "clipped steps", "grad-norm rel diff"], tablefmt="github"))
     return "\n".join(lines) + "\n"
