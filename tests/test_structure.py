@@ -125,7 +125,7 @@ def test_import_walker_sees_function_level_imports():
     assert "core.parallel.stages" in graph["core.config"]
     # ... and the type-only import back is not an edge; a function-level import is one.
     assert "core.config" not in graph["core.parallel.stages"]
-    assert "core.parallel.pipeline" in graph["core.dryrun.memory"]
+    assert "core.parallel.schedule_sim" in graph["core.dryrun.memory"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
 

@@ -255,7 +255,7 @@ def reserved(allocated_gib: float, gpu_gib: float = PAPER_GPU_GIB) -> float:
 @functools.lru_cache(maxsize=256)
 def _pipeline_order(schedule: str, pp: int, n_micro: int, spr: int):
     """The schedule's own action table (cached: the layout advisor asks for the same ones often)."""
-    from core.parallel.pipeline import pipeline_order  # local: torch, needed only with pp > 1
+    from core.parallel.schedule_sim import pipeline_order  # local: torch, needed only with pp > 1
 
     return pipeline_order(schedule, pp, n_micro, spr)
 

@@ -3,7 +3,7 @@ tokens/s per GPU and MFU, with where the time goes.
 
 It walks the same step the memory accounting walks (core/dryrun/memory.py): forward and
 backward of each block, the loss, the optimizer; under PP each rank's actions in the schedule's
-own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
+own order (`core.parallel.schedule_sim.pipeline_order`). Each event gets:
 
 - compute: matmul FLOPs at the GEMM rate (linears at the FP8 rate under Float8; the output
   projection stays BF16, as torchtitan filters it), causal flash-attention FLOPs at the
@@ -17,7 +17,8 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
   parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
   and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
-- pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
+- pipeline bubbles from running the schedule's action table with these costs (the one
+  list-scheduler, `core.parallel.schedule_sim.run_schedule`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _args(cfg):
 
 @functools.lru_cache(maxsize=256)
 def _order(schedule: str, pp: int, n_micro: int, spr: int):
-    from core.parallel.pipeline import pipeline_order
+    from core.parallel.schedule_sim import pipeline_order
 
     return pipeline_order(schedule, pp, n_micro, spr)
 
@@ -266,56 +267,6 @@ def _stage_costs(cfg, s, blk, head, emb, sp) -> dict:
     return {"F": f, "B": b, "f_parts": f_parts, "b_parts": b_parts}
 
 
-def _run_schedule(table: list[list], n_stages: int, cost, hop: float) -> tuple[list[float], list[float]]:
-    """Each rank's actions in table order, each as early as its inputs allow; a dependency on
-    another stage costs `hop` (PP send/recv). F(s, m) after F(s-1, m); the backward (B or I) of
-    (s, m) after that of (s+1, m) and after F(s, m); W after I. Returns per-rank finish and busy."""
-    from core.parallel.pipeline import _compute_parts
-
-    done: dict[tuple, float] = {}
-    pos, free, busy = [0] * len(table), [0.0] * len(table), [0.0] * len(table)
-
-    def ready(a):
-        sid, k, m = a.stage_index, a.computation_type.value, a.microbatch_index
-        if k == "F":
-            groups = [] if sid == 0 else [[(sid - 1, "F", m, hop)]]
-        elif k in ("B", "I"):
-            groups = [[(sid, "F", m, 0.0)]]
-            if sid < n_stages - 1:
-                groups.append([(sid + 1, "B", m, hop), (sid + 1, "I", m, hop)])
-        else:
-            groups = [[(sid, "I", m, 0.0), (sid, "B", m, 0.0)]]
-        t = 0.0
-        for g in groups:
-            times = [done[x[:3]] + x[3] for x in g if x[:3] in done]
-            if not times:
-                return None
-            t = max(t, min(times))
-        return t
-
-    remaining = sum(len(r) for r in table)
-    while remaining:
-        progressed = False
-        for r, row in enumerate(table):
-            while pos[r] < len(row):
-                parts = _compute_parts(row[pos[r]])
-                starts = [ready(x) for x in parts]
-                if any(x is None for x in starts):
-                    break
-                t = max([free[r], *starts])
-                for x in parts:
-                    c = cost(x.stage_index, x.computation_type.value, x.microbatch_index)
-                    t += c
-                    busy[r] += c
-                    done[(x.stage_index, x.computation_type.value, x.microbatch_index)] = t
-                free[r], pos[r] = t, pos[r] + 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline table deadlocks")
-    return free, busy
-
-
 def _emb_times(cfg, s, spec, links, vocab) -> dict:
     """Token embedding: a gather forward (and, with TP, the reduce-scatter of its row-wise
     output); backward zeroes and scatter-adds into the full local table."""
@@ -393,6 +344,7 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
         acc.comm_add(fsdp_label, fb - busy)
         bubble, pp_exposed, params_local = 0.0, 0.0, sp.total
     else:
+        from core.parallel.schedule_sim import run_schedule  # local: torch, needed only with pp > 1
         from core.parallel.stages import stages_per_rank
 
         n_micro = A.microbatches(cfg)
@@ -418,8 +370,8 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
             return c["B"] if kind == "B" else c["B"] / 2  # I and W: half a backward each
 
         hop = links["pp"].p2p(s.tokens * s.sp * s.d * 2)
-        free1, _ = _run_schedule(table, n_stages, cost, hop)
-        free0, _ = _run_schedule(table, n_stages, cost, 0.0)
+        free1, _ = run_schedule(table, n_stages, cost, hop)
+        free0, _ = run_schedule(table, n_stages, cost, 0.0)
         tails = [
             sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
         ]
