@@ -308,19 +308,12 @@ def _step_inputs(cfg, spec: GPUSpec) -> _Step:
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
     links = mesh_links(spec, sizes, fsdp_dims)
-    return _Step(
-        cfg=cfg,
-        spec=spec,
-        args=a,
-        shapes=s,
-        dims=dims,
-        links=links,
-        shard=p.dp_shard * p.cp if dims.fsdp_enabled else 1,
-        accum=max(1, cfg.training.grad_accum_steps),
-        blk=block_times(cfg, s, spec, links),
-        head=head_times(cfg, s, spec, links, a.vocab_size),
-        emb=_emb_times(cfg, s, spec, links, a.vocab_size),
-    )
+    shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
+    accum = max(1, cfg.training.grad_accum_steps)
+    blk = block_times(cfg, s, spec, links)
+    head = head_times(cfg, s, spec, links, a.vocab_size)
+    emb = _emb_times(cfg, s, spec, links, a.vocab_size)
+    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb)
 
 
 def _fsdp_times(step: _Step, stage: StageParams) -> dict:
