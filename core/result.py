@@ -19,7 +19,7 @@ from core.config import JobConfig, save_config
 from core.fileio import atomic_write_json
 from core.metrics import device_info
 from core.models.args import ModelArgs, shape_record
-from core.parallel.pipeline import DEFAULT_COSTS, bubble_fraction
+from core.parallel.schedule_sim import DEFAULT_COSTS, bubble_fraction
 
 
 def _git_commit(root: Path | None = None) -> str:

@@ -330,14 +330,16 @@ def log_tail(log_path: Path, lines: int = 30) -> str:
     return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
 
 
-def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None) -> dict:
-    """core.dryrun.record.dry_run at true scale; the record it returns, completed with our fields."""
+def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = True) -> dict:
+    """core.dryrun.record.dry_run at true scale (fake=False: the accounting without the fake
+    step); the record it returns, completed with our fields."""
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
     from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
 
     cfg.job.output_dir = str(run_dir)
-    record = dict(dry_run(cfg, gpu=gpu) if gpu else dry_run(cfg))
+    kwargs = {**({"gpu": gpu} if gpu else {}), **({} if fake else {"fake": False})}
+    record = dict(dry_run(cfg, **kwargs))
     record.setdefault("recipe", cfg.job.recipe)
     record.setdefault("mode", "dry-run")
     record.setdefault("config", cfg.to_dict())

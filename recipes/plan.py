@@ -102,6 +102,100 @@ def base_config(model: str, seq: int, local_batch: int):
     return cfg
 
 
+def _layouts(gpus: int, gpus_per_node: int, n_layers: int):
+    """(dp_shard, tp, pp, cp) of every split of `gpus`: TP within a node, CP a power of two up to
+    16, PP at most half the layers (two per stage)."""
+    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
+        for cp in [c for c in _divisors(gpus // tp) if c == 1 or (c & (c - 1) == 0 and c <= 16)]:
+            for pp in [p for p in _divisors(gpus // (tp * cp)) if p <= n_layers // 2 or p == 1]:
+                yield gpus // (tp * cp * pp), tp, pp, cp
+
+
+def _local_batch(dp: int, pp: int, local_batch: int | None, global_batch: int | None) -> int | None:
+    """Sequences per data-parallel rank: `global_batch` split over the dp ranks, else
+    `local_batch`, else 1 (one per stage with PP); None where it does not split."""
+    if global_batch:
+        if global_batch % dp:
+            return None
+        lb = global_batch // dp
+    else:
+        lb = local_batch or max(1, pp)
+    if pp > 1 and lb % pp:
+        return None
+    return lb
+
+
+def _layout_config(model: str, seq: int, lb: int, degrees: dict, gpus: int, ac: tuple, compile_: bool, float8: bool):
+    """The dry-run config of a layout with an AC mode (`(mode, selective option)`)."""
+    cfg = base_config(model, seq, lb)
+    p = cfg.parallelism
+    p.dp_shard, p.tp, p.pp, p.cp, p.world_size = degrees["dp_shard"], degrees["tp"], degrees["pp"], degrees["cp"], gpus
+    p.pp_schedule, p.pp_microbatches = "1F1B", (degrees["pp"] if degrees["pp"] > 1 else 0)
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option = ac
+    cfg.activation_checkpoint.save_every_other_mm = True
+    cfg.compile.enabled = compile_
+    cfg.float8.enabled = float8
+    cfg.float8.enable_fsdp_float8_all_gather = float8  # as --float8's help says
+    return cfg
+
+
+def _cheapest_ac(model: str, seq: int, lb: int, degrees: dict, gpus: int, gpu_mem: float, compile_, float8):
+    """The layout with the cheapest AC mode that fits (or full AC when none does); None when the
+    layout itself is invalid."""
+    from core.config import ConfigError
+    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
+    from core.validate import validate
+
+    best = None
+    for ac in AC_ORDER:
+        cfg = _layout_config(model, seq, lb, degrees, gpus, ac, compile_, float8)
+        try:
+            validate(cfg, check_files=False)
+        except ConfigError:
+            break  # the layout itself is invalid: no AC mode helps
+        est = estimate_memory(cfg, gpu_gib=gpu_mem)
+        # Uncapped: a plan needs the allocator's usual slack, not its retry path.
+        need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
+        p = cfg.parallelism
+        best = Candidate(
+            dict(degrees),
+            ac[0],
+            lb,
+            p.pp_microbatches or 1,
+            need,
+            need <= gpu_mem,
+            [],
+            est["peak_at"],
+            est["breakdown"],
+            cfg,
+        )
+        best.memory = est
+        if best.fits:
+            break
+    return best
+
+
+def _by_speed(ranked: list[Candidate], gpu: str | None) -> list[Candidate]:
+    """Rank the candidates by predicted tokens/s per GPU; the guidance still outranks speed, and
+    predictions within SPEED_TIE of the fastest are ordered by the rules."""
+    from core.dryrun.gpuspec import DEFAULT_GPU
+    from core.dryrun.runtime import predict
+
+    for c in ranked:
+        c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
+    # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
+    ranked = sorted(ranked, key=lambda c: (not c.fits, bool(c.violations), -c.tps if c.fits else 0.0))
+    # Predictions closer than the model's own error to the fastest are a tie: the rules order those.
+    top = ranked[0]
+    ties = [
+        c
+        for c in ranked
+        if c.fits == top.fits and bool(c.violations) == bool(top.violations) and c.tps >= top.tps * (1 - SPEED_TIE)
+    ]
+    ties.sort(key=Candidate.key)
+    return ties + [c for c in ranked if c not in ties]
+
+
 def candidates(
     model: str,
     gpus: int,
@@ -120,83 +214,21 @@ def candidates(
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
     (one per stage with PP). by_speed: rank the ones that fit by predicted tokens/s per GPU on
     the GPU spec `gpu` (default: the paper's), the rules breaking ties."""
-    from core.config import ConfigError
-    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.models.llama3 import FLAVORS
-    from core.validate import validate
 
-    args = FLAVORS[model]
     out = []
-    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
-        for cp in [c for c in _divisors(gpus // tp) if c == 1 or (c & (c - 1) == 0 and c <= 16)]:
-            for pp in [p for p in _divisors(gpus // (tp * cp)) if p <= args.n_layers // 2 or p == 1]:
-                dp = gpus // (tp * cp * pp)
-                if global_batch:
-                    if global_batch % dp:
-                        continue
-                    lb = global_batch // dp
-                else:
-                    lb = local_batch or max(1, pp)
-                if pp > 1 and lb % pp:
-                    continue
-                best = None
-                for mode, opt in AC_ORDER:
-                    cfg = base_config(model, seq, lb)
-                    p = cfg.parallelism
-                    p.dp_shard, p.tp, p.pp, p.cp, p.world_size = dp, tp, pp, cp, gpus
-                    p.pp_schedule, p.pp_microbatches = "1F1B", (pp if pp > 1 else 0)
-                    cfg.activation_checkpoint.mode = mode
-                    cfg.activation_checkpoint.selective_ac_option = opt
-                    cfg.activation_checkpoint.save_every_other_mm = True
-                    cfg.compile.enabled = compile_
-                    cfg.float8.enabled = float8
-                    cfg.float8.enable_fsdp_float8_all_gather = float8  # as --float8's help says
-                    try:
-                        validate(cfg, check_files=False)
-                    except ConfigError:
-                        break  # the layout itself is invalid: no AC mode helps
-                    est = estimate_memory(cfg, gpu_gib=gpu_mem)
-                    # Uncapped: a plan needs the allocator's usual slack, not its retry path.
-                    need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
-                    cand = Candidate(
-                        {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp},
-                        mode,
-                        lb,
-                        p.pp_microbatches or 1,
-                        need,
-                        need <= gpu_mem,
-                        [],
-                        est["peak_at"],
-                        est["breakdown"],
-                        cfg,
-                    )
-                    cand.memory = est
-                    best = cand
-                    if cand.fits:
-                        break
-                if best is None:
-                    continue
-                best.violations = _violations(best, seq, gpus_per_node)
-                out.append(best)
+    for dp, tp, pp, cp in _layouts(gpus, gpus_per_node, FLAVORS[model].n_layers):
+        lb = _local_batch(dp, pp, local_batch, global_batch)
+        if lb is None:
+            continue
+        degrees = {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp}
+        best = _cheapest_ac(model, seq, lb, degrees, gpus, gpu_mem, compile_, float8)
+        if best is None:
+            continue
+        best.violations = _violations(best, seq, gpus_per_node)
+        out.append(best)
     ranked = sorted(out, key=Candidate.key)
-    if not by_speed:
-        return ranked
-    from core.dryrun.gpuspec import DEFAULT_GPU
-    from core.dryrun.runtime import predict
-
-    for c in ranked:
-        c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
-    # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
-    ranked = sorted(ranked, key=lambda c: (not c.fits, bool(c.violations), -c.tps if c.fits else 0.0))
-    # Predictions closer than the model's own error to the fastest are a tie: the rules order those.
-    top = ranked[0]
-    ties = [
-        c
-        for c in ranked
-        if c.fits == top.fits and bool(c.violations) == bool(top.violations) and c.tps >= top.tps * (1 - SPEED_TIE)
-    ]
-    ties.sort(key=Candidate.key)
-    return ties + [c for c in ranked if c not in ties]
+    return _by_speed(ranked, gpu) if by_speed else ranked
 
 
 def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
@@ -260,10 +292,6 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
     estimate) ranked by predicted tokens/s per GPU (dry-run performance model)."""
-    import json
-
-    from tabulate import tabulate
-
     from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
 
     try:
@@ -292,31 +320,53 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
     if not ranked:
         raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
     if as_json:
-        click.echo(
-            json.dumps(
-                [
-                    {
-                        "rank": i,
-                        "layout": c.layout(),
-                        "degrees": c.degrees,
-                        "ac": c.ac,
-                        "local_batch": c.local_batch,
-                        "estimate_gib": round(c.estimate_gib, 2),
-                        "fits": c.fits,
-                        "violations": c.violations,
-                        "gpu": spec.name,
-                        "tokens_per_sec_per_gpu": round(c.tps, 1),
-                        "step_time_s": round(c.predicted["step_time_s"], 4),
-                        "mfu": round(c.predicted["mfu"], 4),
-                    }
-                    for i, c in enumerate(ranked, 1)
-                ],
-                indent=2,
-            )
-        )
+        click.echo(_ranked_json(ranked, spec.name))
         return
+    click.echo(
+        f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
+        f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
+        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:"
+    )
+    click.echo(_ranked_table(ranked[:top]))
+    best = ranked[0]
+    click.echo(
+        f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
+        + ("" if best.fits else "  (nothing fits: the least memory is shown)")
+    )
+    for line in _against_the_paper(ranked, model, gpus, seq):
+        click.echo(line)
+
+
+def _ranked_json(ranked: list[Candidate], gpu: str) -> str:
+    import json
+
+    return json.dumps(
+        [
+            {
+                "rank": i,
+                "layout": c.layout(),
+                "degrees": c.degrees,
+                "ac": c.ac,
+                "local_batch": c.local_batch,
+                "estimate_gib": round(c.estimate_gib, 2),
+                "fits": c.fits,
+                "violations": c.violations,
+                "gpu": gpu,
+                "tokens_per_sec_per_gpu": round(c.tps, 1),
+                "step_time_s": round(c.predicted["step_time_s"], 4),
+                "mfu": round(c.predicted["mfu"], 4),
+            }
+            for i, c in enumerate(ranked, 1)
+        ],
+        indent=2,
+    )
+
+
+def _ranked_table(shown: list[Candidate]) -> str:
+    from tabulate import tabulate
+
     rows = []
-    for i, c in enumerate(ranked[:top], 1):
+    for i, c in enumerate(shown, 1):
         ac = c.ac if c.ac != "selective" else "selective op"
         rows.append(
             [
@@ -331,42 +381,23 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
                 "; ".join(c.violations) or "-",
             ]
         )
-    click.echo(
-        f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
-        f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
-        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:"
-    )
-    click.echo(
-        tabulate(
-            rows,
-            headers=[
-                "#",
-                "layout",
-                "local batch",
-                "AC",
-                "est. GiB",
-                "fits",
-                "pred. TPS/GPU",
-                "MFU",
-                "against the guidance",
-            ],
-        )
-    )
-    best = ranked[0]
-    click.echo(
-        f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
-        + ("" if best.fits else "  (nothing fits: the least memory is shown)")
-    )
+    headers = ["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
+    return tabulate(rows, headers=headers)
+
+
+def _against_the_paper(ranked: list[Candidate], model: str, gpus: int, seq: int) -> list[str]:
+    """Where each of the paper's layouts for this setting ranks here, and why it is not first."""
+    best, lines = ranked[0], []
     for r, cfg in paper_layouts(model, gpus, seq):
         p = cfg.parallelism
         want = {"dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "cp": p.cp}
         pos = next((i for i, c in enumerate(ranked, 1) if c.degrees == want), None)
         lb = cfg.training.local_batch_size
         if pos == 1:
-            click.echo(f"paper ({r.id}): the same layout.")
+            lines.append(f"paper ({r.id}): the same layout.")
             continue
         if pos is None:
-            click.echo(
+            lines.append(
                 f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
                 f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})"
             )
@@ -380,7 +411,8 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
             why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
         if c.fits and best.fits:
             why.append(f"{best.layout()} also fits and is predicted faster ({best.tps:.0f} tokens/s per GPU)")
-        click.echo(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
+        lines.append(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
+    return lines
 
 
 def _paper_layout(d: dict) -> str:

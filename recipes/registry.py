@@ -8,8 +8,8 @@ Merge order of one row (later wins; tables merge key by key, lists and values re
     <package>/<table>/<name>.toml      the row
 
 Every layer may hold `[paper]`, `[paper.config.*]`, `[proxy.config.*]`, `[requires]`,
-`[reference]`; `id`, `title`, `row` belong to the row file only. Files are read through
-importlib.resources, so an installed wheel works like the source tree.
+`[reference]`; `id`, `title`, `row`, `order`, `effect` belong to the row file only. Files are
+read through importlib.resources, so an installed wheel works like the source tree.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from recipes.schema import REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError
 
 PACKAGES = ("llama3_8b", "llama3_70b", "llama3_405b", "long_context")
 DEFAULTS = "defaults.toml"
-ROW_ONLY = ("id", "title", "row", "order")
+ROW_ONLY = ("id", "title", "row", "order", "effect")
 
 
 def _read(trav, where: str) -> dict:
@@ -79,6 +79,7 @@ def _build(data: dict, where: str) -> Recipe:
         reference=reference,
         requires=requires,
         baseline=data.get("baseline"),
+        effect=data.get("effect", ""),
         notes=data.get("notes", ""),
         order=data.get("order", 0),
         source=where,

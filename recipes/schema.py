@@ -9,6 +9,9 @@ A row file (`<package>/<table>/<name>.toml`) holds:
     order = 1                              # the row's position in the paper table
     techniques = ["fsdp", "compile"]       # fsdp, tp, async_tp, pp:<schedule>, cp, compile, float8
     baseline = "<id>"                      # optional: the row gains / loss deltas are measured against
+    effect = "..."                         # optional: the published effect the row shows (results/dry_run.md)
+                                           #   against its baseline, or in a table without baselines
+                                           #   against the previous row (a throughput ratio)
     notes = "..."                          # optional
     [paper]            gpus, gpus_per_node
     [paper.config.*]   a JobConfig overlay (sections/keys of core/config.py): the paper's exact run
@@ -39,6 +42,7 @@ TOP_KEYS = {
     "order",
     "techniques",
     "baseline",
+    "effect",
     "notes",
     "paper",
     "reference",
@@ -82,6 +86,7 @@ class Recipe:
     reference: dict[str, Any] = field(default_factory=dict)
     requires: dict[str, tuple[str, ...]] = field(default_factory=dict)
     baseline: str | None = None
+    effect: str = ""
     notes: str = ""
     order: int = 0
     source: str = ""  # the row file, for messages

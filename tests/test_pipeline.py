@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from core.config import ConfigError, load_config
-from core.parallel.pipeline import bubble_fraction, library_schedules, stage_module
+from core.parallel.pipeline import library_schedules, stage_module
+from core.parallel.schedule_sim import bubble_fraction
 from core.parallel.stages import (
     PP_SCHEDULES,
     PP_SCHEDULES_SINGLE,

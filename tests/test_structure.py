@@ -125,7 +125,7 @@ def test_import_walker_sees_function_level_imports():
     assert "core.parallel.stages" in graph["core.config"]
     # ... and the type-only import back is not an edge; a function-level import is one.
     assert "core.config" not in graph["core.parallel.stages"]
-    assert "core.parallel.pipeline" in graph["core.dryrun.memory"]
+    assert "core.parallel.schedule_sim" in graph["core.dryrun.memory"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
 
@@ -156,6 +156,43 @@ def _long_modules() -> dict[str, int]:
 def test_no_module_over_500_lines():
     long = _long_modules()
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+MAX_FUNCTION_LINES = 80
+# Temporary: functions still over MAX_FUNCTION_LINES while they are being split. Drop an entry
+# once its function is split (the test below fails on an entry that no longer needs it).
+LONG_FUNCTIONS_ALLOWED = frozenset(
+    {
+        "core/toggles/compile_cache.py::install",
+        "recipes/cli.py::show_cmd",
+        "recipes/cli.py::_run_rows",
+        "recipes/results.py::write_results",
+        "recipes/studies/preflight.py::run_preflight",
+        "recipes/studies/toggles_bench.py::markdown",
+    }
+)
+
+
+def _long_functions() -> dict[str, int]:
+    """`path::name` -> lines (from `def` to its last line, decorators not counted) of every
+    function or method in the packages, nested ones included, longer than MAX_FUNCTION_LINES."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        out[f"{path.relative_to(ROOT).as_posix()}::{node.name}"] = n
+    return out
+
+
+def test_no_function_over_80_lines():
+    long = _long_functions()
+    new = {k: n for k, n in long.items() if k not in LONG_FUNCTIONS_ALLOWED}
+    assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {new}"
+    stale = sorted(LONG_FUNCTIONS_ALLOWED - set(long))
+    assert not stale, f"now at most {MAX_FUNCTION_LINES} lines, drop them from LONG_FUNCTIONS_ALLOWED: {stale}"
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from core.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import loss_parallel_context, step_context
 from core.parallel.mesh import ParallelDims
 from core.parallel.parallelize import Toggles
-from core.parallel.pipeline import pipeline_order
+from core.parallel.schedule_sim import pipeline_order
 from core.parallel.stages import pp_microbatches, stages_per_rank
 from core.step import TrainStep, pipeline_loss
 from core.toggles.float8 import post_optimizer_hook
@@ -204,7 +204,7 @@ def _make_tracker(model_parts, dims, optimizer, tokens, labels):
 
 def run_pipeline_rank(tr: TrainStep, dims: ParallelDims, args, tokens, labels) -> None:
     """This pp rank's share of one schedule step, in the order of the schedule's own action table
-    (`core.parallel.pipeline.pipeline_order`): forwards on the stage modules, backwards through
+    (`core.parallel.schedule_sim.pipeline_order`): forwards on the stage modules, backwards through
     the library's `backward_maybe_with_nosync` (FSDP: no gradient sync, no reshard until the last
     microbatch) and `perform_reduce_grad` at the end. The schedule's runtime itself cannot run
     here: its start-up handshake reads values other ranks send, which a fake group never

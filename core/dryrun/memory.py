@@ -111,12 +111,12 @@ class _Timeline:
             self.best, self.best_parts, self.best_label = total, parts, label
 
 
-def _unsharded_block_bytes(cfg, sp: StageParams) -> float:
+def _unsharded_block_bytes(cfg, stage: StageParams) -> float:
     """One block's parameters all-gathered for compute: bf16 (or fp32), float8 linears with
     float8 all-gather."""
     act = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
     f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
-    return sp.block_linear * (1 if f8 else act) + (sp.block - sp.block_linear) * act
+    return stage.block_linear * (1 if f8 else act) + (stage.block - stage.block_linear) * act
 
 
 def _grad_bytes(cfg) -> tuple[int, int]:
@@ -127,20 +127,20 @@ def _grad_bytes(cfg) -> tuple[int, int]:
     return comp, red
 
 
-def _simulate_flat(cfg, sp: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool) -> _Timeline:
+def _simulate_flat(cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool) -> _Timeline:
     """No pipeline: forward of every block, loss, backward of every block, optimizer."""
     tl = _Timeline()
-    n = sp.total
+    n = stage.total
     tl.add(params=4 * n / shard, optimizer=8 * n / shard)
     act = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
     comp, red = _grad_bytes(cfg)
-    blk = _unsharded_block_bytes(cfg, sp)
-    root = sp.root * act
+    blk = _unsharded_block_bytes(cfg, stage)
+    root = stage.root * act
     # Without FSDP nothing is gathered: the "sharded" copy is the only one (compute casts are
     # transient under autocast and counted with the working set).
     if not fsdp:
-        blk, root = sp.block * act, sp.root * act
-    L = sp.layers
+        blk, root = stage.block * act, stage.root * act
+    L = stage.layers
     gathered = 2 * blk + root  # current + prefetched block, root (embedding/output)
     for step in range(max(1, cfg.training.grad_accum_steps)):
         for i in range(L):
@@ -155,19 +155,19 @@ def _simulate_flat(cfg, sp: StageParams, lm: dict, hm: dict, shard: int, fsdp: b
             "output backward",
             fsdp_unsharded_params=blk + root,
             working_set=hm["logits_grad"] + hm["norm_saved"],
-            grad_buffers=comp * sp.root,
+            grad_buffers=comp * stage.root,
         )
         for i in reversed(range(L)):
             # The block's gradients as computed, then cast to the reduce dtype for reduce-scatter.
-            bufs = sp.block * (comp + (red if red != comp or fsdp else 0))
+            bufs = stage.block * (comp + (red if red != comp or fsdp else 0))
             tl.peak(
                 f"backward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["bwd_work"], grad_buffers=bufs
             )
             tl.add(activations=-lm["saved"])
             if step == 0:
-                tl.add(grads=4 * sp.block / shard)
+                tl.add(grads=4 * stage.block / shard)
         if step == 0:
-            tl.add(grads=4 * sp.root / shard)
+            tl.add(grads=4 * stage.root / shard)
     # AdamW (foreach): one parameter-sized fp32 temporary (sqrt of the second moment).
     tl.peak("optimizer step", working_set=4 * n / shard)
     return tl
@@ -184,33 +184,33 @@ def _simulate_pipeline(
     act = s.act
     comp, red = _grad_bytes(cfg)
     by_id = dict(stages)
-    total = sum(sp.total for sp in by_id.values())
+    total = sum(stage.total for stage in by_id.values())
     tl.add(params=4 * total / shard, optimizer=8 * total / shard)
     gathered, accumulating = set(), set()
     io = s.tokens * s.sp * act * s.d  # a stage's input / output hidden states
     # torch.distributed.pipelining keeps one receive buffer per microbatch for the activations a
     # stage receives and for the gradients it receives; a stage input lives in its buffer.
-    for sp in by_id.values():
-        tl.add(pp_buffers=n_micro * io * ((not sp.first) + (not sp.last)))
+    for stage in by_id.values():
+        tl.add(pp_buffers=n_micro * io * ((not stage.first) + (not stage.last)))
     # The last stage appends each microbatch's output -- the fp32 logits -- to `output_chunks`,
     # which `step()` merges and returns (the trainer leaves return_outputs True): every
     # microbatch's logits stay from its forward until the next step clears them.
     logits = hm["logits"]
 
-    def block_saved(sp, j):  # a non-first stage's first block saves its input: the receive buffer
-        return lm["saved"] - (lm["input_saved"] if j == 0 and not sp.first else 0.0)
+    def block_saved(stage, j):  # a non-first stage's first block saves its input: the receive buffer
+        return lm["saved"] - (lm["input_saved"] if j == 0 and not stage.first else 0.0)
 
     for a in actions:
         kind, sid, m = a.computation_type.value, a.stage_index, a.microbatch_index
-        sp = by_id[sid]
-        head = hm["saved"] if sp.last else io  # the head's saved tensors, or the stage output
+        stage = by_id[sid]
+        head = hm["saved"] if stage.last else io  # the head's saved tensors, or the stage output
         if kind == "F":
             if sid not in gathered:
                 gathered.add(sid)
-                tl.add(fsdp_unsharded_params=sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act)
-            tl.add(activations=sum(block_saved(sp, j) for j in range(sp.layers)) + head)
+                tl.add(fsdp_unsharded_params=stage.layers * _unsharded_block_bytes(cfg, stage) + stage.root * act)
+            tl.add(activations=sum(block_saved(stage, j) for j in range(stage.layers)) + head)
             work = lm["fwd_work"]
-            if sp.last:
+            if stage.last:
                 tl.add(pp_buffers=logits)
                 work = max(work, hm["loss_fwd_work"] - logits)  # the logits are counted just above
             tl.peak(f"F stage {sid} mb {m}", working_set=work)
@@ -221,26 +221,26 @@ def _simulate_pipeline(
             first = sid not in accumulating
             accumulating.add(sid)
             if first:
-                tl.add(grad_buffers=sp.root * red)
-            if sp.last:  # the loss's saved tensors go once its backward ran
+                tl.add(grad_buffers=stage.root * red)
+            if stage.last:  # the loss's saved tensors go once its backward ran
                 tl.peak(f"B stage {sid} mb {m} loss", working_set=hm["loss_bwd_work"])
                 tl.add(activations=-head)
-            for j in reversed(range(sp.layers)):
-                tl.peak(f"B stage {sid} mb {m} block {j}", working_set=lm["bwd_work"] + comp * sp.block)
+            for j in reversed(range(stage.layers)):
+                tl.peak(f"B stage {sid} mb {m} block {j}", working_set=lm["bwd_work"] + comp * stage.block)
                 if first:
-                    tl.add(grad_buffers=sp.block * red)
-                tl.add(activations=-block_saved(sp, j))
-            if not sp.last:  # backward_one_chunk holds the stage output until it returns
+                    tl.add(grad_buffers=stage.block * red)
+                tl.add(activations=-block_saved(stage, j))
+            if not stage.last:  # backward_one_chunk holds the stage output until it returns
                 tl.add(activations=-head)
     # perform_reduce_grad: reduce-scatter the accumulated gradients, reshard.
-    for sid, sp in stages:
-        tl.peak(f"reduce grads stage {sid}", working_set=sp.block * red)
+    for sid, stage in stages:
+        tl.peak(f"reduce grads stage {sid}", working_set=stage.block * red)
         tl.add(
-            grad_buffers=-sp.total * red,
-            grads=4 * sp.total / shard,
-            fsdp_unsharded_params=-(sp.layers * _unsharded_block_bytes(cfg, sp) + sp.root * act),
+            grad_buffers=-stage.total * red,
+            grads=4 * stage.total / shard,
+            fsdp_unsharded_params=-(stage.layers * _unsharded_block_bytes(cfg, stage) + stage.root * act),
         )
-    if any(sp.last for sp in by_id.values()):
+    if any(stage.last for stage in by_id.values()):
         tl.peak("merge outputs", working_set=n_micro * logits)  # step()'s torch.cat of output_chunks
     tl.peak("optimizer step", working_set=4 * total / shard)
     return tl
@@ -253,9 +253,10 @@ def reserved(allocated_gib: float, gpu_gib: float = PAPER_GPU_GIB) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _pipeline_order(schedule: str, pp: int, n_micro: int, spr: int):
-    """The schedule's own action table (cached: the layout advisor asks for the same ones often)."""
-    from core.parallel.pipeline import pipeline_order  # local: torch, needed only with pp > 1
+def schedule_table(schedule: str, pp: int, n_micro: int, spr: int) -> list[list]:
+    """The schedule's own action table per rank (cached: the layout advisor asks for the same
+    ones often; the performance model reads the same tables)."""
+    from core.parallel.schedule_sim import pipeline_order  # local: torch, needed only with pp > 1
 
     return pipeline_order(schedule, pp, n_micro, spr)
 
@@ -274,16 +275,16 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
     n_stages = sum(len(r) for r in placement)
     per_rank = []
     if p.pp == 1:
-        sp = stage_params(args, args.n_layers, True, True, p.tp)
-        per_rank.append(_simulate_flat(cfg, sp, lm, hm, shard, dims.fsdp_enabled))
+        stage = stage_params(args, args.n_layers, True, True, p.tp)
+        per_rank.append(_simulate_flat(cfg, stage, lm, hm, shard, dims.fsdp_enabled))
     else:
         n_micro = microbatches(cfg)
-        table = _pipeline_order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))
-        for r, stages in enumerate(placement):
-            sps = [
-                (sid, stage_params(args, len(layers), sid == 0, sid == n_stages - 1, p.tp)) for sid, layers in stages
+        table = schedule_table(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))
+        for r, placed in enumerate(placement):
+            stages = [
+                (sid, stage_params(args, len(layers), sid == 0, sid == n_stages - 1, p.tp)) for sid, layers in placed
             ]
-            per_rank.append(_simulate_pipeline(cfg, sps, table[r], lm, hm, s, shard, n_micro))
+            per_rank.append(_simulate_pipeline(cfg, stages, table[r], lm, hm, s, shard, n_micro))
     worst = max(range(len(per_rank)), key=lambda r: per_rank[r].best)
     tl = per_rank[worst]
     allocated = tl.best / GIB

@@ -10,6 +10,7 @@ from core.dryrun.fake_step import fake_step
 from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
 from core.dryrun.runtime import predict
+from core.metrics import device_info
 from core.parallel.mesh import ParallelDims
 from core.validate import validate
 
@@ -40,6 +41,7 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
     record = {
         "recipe": cfg.job.recipe,
         "mode": "dry-run",
+        "hardware": {"device": device_info()["device"]},  # where the fake step's seconds were measured
         "world_size": dims.world_size,
         "estimated_peak_gib": round(est["estimated_peak_gib"], 2),
         "estimated_peak_memory_gib": round(est["estimated_peak_gib"], 2),  # recipes/table_data.py's key

@@ -3,7 +3,7 @@ tokens/s per GPU and MFU, with where the time goes.
 
 It walks the same step the memory accounting walks (core/dryrun/memory.py): forward and
 backward of each block, the loss, the optimizer; under PP each rank's actions in the schedule's
-own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
+own order (`core.parallel.schedule_sim.pipeline_order`). Each event gets:
 
 - compute: matmul FLOPs at the GEMM rate (linears at the FP8 rate under Float8; the output
   projection stays BF16, as torchtitan filters it), causal flash-attention FLOPs at the
@@ -17,18 +17,21 @@ own order (`core.parallel.pipeline.pipeline_order`). Each event gets:
   parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
   and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
-- pipeline bubbles from running the schedule's action table with these costs (`_run_schedule`).
+- pipeline bubbles from running the schedule's action table with these costs (the one
+  list-scheduler, `core.parallel.schedule_sim.run_schedule`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
-from core.dryrun import activations as A
-from core.dryrun import memory as M
 from core.dryrun import ring
+from core.dryrun.activations import Shapes, microbatches, shapes
 from core.dryrun.comms import mesh_links
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
+from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
+from core.models.args import model_args
 
 # Flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores).
 FLASH_BWD_OVER_FWD = 2.5
@@ -38,23 +41,10 @@ FLASH_BWD_OVER_FWD = 2.5
 OPTIMIZER_BYTES_PER_PARAM = 96
 
 
-def _args(cfg):
-    from core.models.args import model_args  # the model's shapes as the trainer builds them
-
-    return model_args(cfg, None)
-
-
-@functools.lru_cache(maxsize=256)
-def _order(schedule: str, pp: int, n_micro: int, spr: int):
-    from core.parallel.pipeline import pipeline_order
-
-    return pipeline_order(schedule, pp, n_micro, spr)
-
-
 # =============================================================================================
 # One block, one microbatch, one rank
 # =============================================================================================
-def block_flops(s: A.Shapes, seq_len: int) -> dict:
+def block_flops(s: Shapes, seq_len: int) -> dict:
     """Forward FLOPs of one block: matmuls (local widths, all T tokens of the rank: SP gathers
     them), attention as flash runs it (causal: half the score matrix; CP ranks hold 1/cp of the
     queries against the whole sequence) and as torch's FLOP counter counts SDPA (dense)."""
@@ -68,18 +58,18 @@ def analytic_flops(cfg) -> dict:
     """Matmul + attention FLOPs of one training step on one rank without PP and without AC, as
     torch.utils.flop_counter counts them (dense SDPA; matmul backward 2 x forward, SDPA backward
     2.5 x: it recomputes the scores): the check against the fake step's count."""
-    s = A.shapes(cfg)
-    a = _args(cfg)
+    s = shapes(cfg)
+    a = model_args(cfg, None)
     L, seq = a.n_layers, cfg.training.seq_len
     blk = block_flops(s, seq)
     head = 2 * s.tokens * s.d * (a.vocab_size // s.tp)
-    n = A.microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
+    n = microbatches(cfg) * max(1, cfg.training.grad_accum_steps)
     mm = 3 * (L * blk["matmul"] + head) * n
     attn = (1 + FLASH_BWD_OVER_FWD) * L * blk["attention_dense"] * n
     return {"total": mm + attn, "matmul": mm, "attention": attn}
 
 
-def _pointwise_bytes(s: A.Shapes, compiled: bool, float8: bool) -> float:
+def _pointwise_bytes(s: Shapes, compiled: bool, float8: bool) -> float:
     """HBM bytes of one block's forward outside the matmuls and SDPA.
 
     Eager, per core/models/llama3.py: RMSNorm upcasts, squares, averages, scales, casts back and
@@ -104,7 +94,7 @@ def _pointwise_bytes(s: A.Shapes, compiled: bool, float8: bool) -> float:
     return b
 
 
-def _float8_bwd_bytes(s: A.Shapes, compiled: bool) -> float:
+def _float8_bwd_bytes(s: Shapes, compiled: bool) -> float:
     """Backward casts of Float8 linears: each output gradient's amax, cast and transposed copy
     (6 bytes per element) and the saved fp8 inputs' transposes for the weight gradients (2)."""
     T = s.tokens
@@ -123,7 +113,7 @@ class _Rates:
         self.hbm = spec.hbm_bandwidth * spec.hbm
 
 
-def block_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict) -> dict:
+def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
     """Seconds of one block for one microbatch: forward, recompute, backward, each split into
     compute / memory_bound / exposed tp / exposed cp, and the FSDP traffic of the block."""
     r = _Rates(spec)
@@ -183,7 +173,7 @@ def block_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict) -> dict:
     return {"fwd": fwd, "bwd": bwd, "recompute": rec}
 
 
-def head_times(cfg, s: A.Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
+def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
     forward and backward seconds, and the exposed TP part (all-gather of the normed input,
     loss parallel's two scalar-per-token all-reduces)."""
@@ -250,70 +240,20 @@ def _fsdp_stream(events: list[tuple[float, float, float]]) -> float:
     return max(end_prev, comm_free)
 
 
-def _stage_costs(cfg, s, blk, head, emb, sp) -> dict:
+def _stage_costs(blk: dict, head: dict, emb: dict, stage: StageParams) -> dict:
     """Seconds of one microbatch's F and B on a stage (compute path only) and their breakdown."""
     f_parts, b_parts = [], []
-    f_parts.append((blk["fwd"], sp.layers, False))
-    b_parts += [(blk["bwd"], sp.layers, False), (blk["recompute"], sp.layers, True)]
-    if sp.first:
+    f_parts.append((blk["fwd"], stage.layers, False))
+    b_parts += [(blk["bwd"], stage.layers, False), (blk["recompute"], stage.layers, True)]
+    if stage.first:
         f_parts.append((emb["fwd"], 1, False))
         b_parts.append((emb["bwd"], 1, False))
-    if sp.last:
+    if stage.last:
         f_parts.append((head["fwd"], 1, False))
         b_parts.append((head["bwd"], 1, False))
     f = sum(n * _sum(d) for d, n, _ in f_parts)
     b = sum(n * _sum(d) for d, n, _ in b_parts)
     return {"F": f, "B": b, "f_parts": f_parts, "b_parts": b_parts}
-
-
-def _run_schedule(table: list[list], n_stages: int, cost, hop: float) -> tuple[list[float], list[float]]:
-    """Each rank's actions in table order, each as early as its inputs allow; a dependency on
-    another stage costs `hop` (PP send/recv). F(s, m) after F(s-1, m); the backward (B or I) of
-    (s, m) after that of (s+1, m) and after F(s, m); W after I. Returns per-rank finish and busy."""
-    from core.parallel.pipeline import _compute_parts
-
-    done: dict[tuple, float] = {}
-    pos, free, busy = [0] * len(table), [0.0] * len(table), [0.0] * len(table)
-
-    def ready(a):
-        sid, k, m = a.stage_index, a.computation_type.value, a.microbatch_index
-        if k == "F":
-            groups = [] if sid == 0 else [[(sid - 1, "F", m, hop)]]
-        elif k in ("B", "I"):
-            groups = [[(sid, "F", m, 0.0)]]
-            if sid < n_stages - 1:
-                groups.append([(sid + 1, "B", m, hop), (sid + 1, "I", m, hop)])
-        else:
-            groups = [[(sid, "I", m, 0.0), (sid, "B", m, 0.0)]]
-        t = 0.0
-        for g in groups:
-            times = [done[x[:3]] + x[3] for x in g if x[:3] in done]
-            if not times:
-                return None
-            t = max(t, min(times))
-        return t
-
-    remaining = sum(len(r) for r in table)
-    while remaining:
-        progressed = False
-        for r, row in enumerate(table):
-            while pos[r] < len(row):
-                parts = _compute_parts(row[pos[r]])
-                starts = [ready(x) for x in parts]
-                if any(x is None for x in starts):
-                    break
-                t = max([free[r], *starts])
-                for x in parts:
-                    c = cost(x.stage_index, x.computation_type.value, x.microbatch_index)
-                    t += c
-                    busy[r] += c
-                    done[(x.stage_index, x.computation_type.value, x.microbatch_index)] = t
-                free[r], pos[r] = t, pos[r] + 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline table deadlocks")
-    return free, busy
 
 
 def _emb_times(cfg, s, spec, links, vocab) -> dict:
@@ -328,14 +268,182 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
     }
 
 
-def _fsdp_bytes(cfg, sp) -> dict:
+def _fsdp_bytes(cfg, stage: StageParams) -> dict:
     f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
     red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
     return {
-        "ag_block": sp.block_linear * (1 if f8 else 2) + (sp.block - sp.block_linear) * 2,
-        "ag_root": sp.root * 2,
-        "rs_block": sp.block * red,
-        "rs_root": sp.root * red,
+        "ag_block": stage.block_linear * (1 if f8 else 2) + (stage.block - stage.block_linear) * 2,
+        "ag_root": stage.root * 2,
+        "rs_block": stage.block * red,
+        "rs_root": stage.root * red,
+    }
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every part of the step reads: the config, the model's shapes, the mesh's links, the
+    FSDP shard degree, the gradient accumulation steps and the seconds of one microbatch on a
+    block, on the head and on the embedding."""
+
+    cfg: object
+    spec: GPUSpec
+    args: object  # core.models.args.ModelArgs
+    shapes: Shapes
+    dims: object  # core.parallel.mesh.ParallelDims
+    links: dict
+    shard: int
+    accum: int
+    blk: dict
+    head: dict
+    emb: dict
+
+
+def _step_inputs(cfg, spec: GPUSpec) -> _Step:
+    from core.parallel.mesh import ParallelDims
+
+    p = cfg.parallelism
+    dims = ParallelDims.from_config(p)
+    a = model_args(cfg, None)
+    s = shapes(cfg)
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
+    fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
+    links = mesh_links(spec, sizes, fsdp_dims)
+    shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
+    accum = max(1, cfg.training.grad_accum_steps)
+    blk = block_times(cfg, s, spec, links)
+    head = head_times(cfg, s, spec, links, a.vocab_size)
+    emb = _emb_times(cfg, s, spec, links, a.vocab_size)
+    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb)
+
+
+def _fsdp_times(step: _Step, stage: StageParams) -> dict:
+    """Seconds of a stage's FSDP collectives: the all-gather of a block and of the root
+    (embedding, norm, output), their reduce-scatters plus HSDP's all-reduce of the shard."""
+    b = _fsdp_bytes(step.cfg, stage)
+    fl, rep = step.links["fsdp"], step.links["dp_replicate"]
+    on = step.dims.fsdp_enabled
+    return {
+        "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
+        "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
+        "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / step.shard),
+        "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / step.shard),
+    }
+
+
+def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
+    """Without PP: each accumulation step's events in order (embedding, blocks, head forward and
+    backward, blocks backward, embedding backward) with the FSDP stream beside them. Returns the
+    forward-backward seconds, the bubble (none) and the parameters the rank holds."""
+    a, blk, head, emb = step.args, step.blk, step.head, step.emb
+    stage = stage_params(a, a.n_layers, True, True, step.cfg.parallelism.tp)
+    ft = _fsdp_times(step, stage)
+    costs = _stage_costs(blk, head, emb, stage)
+    blk_f, blk_b = _sum(blk["fwd"]), _sum(blk["bwd"]) + _sum(blk["recompute"])
+    events = []
+    for _ in range(step.accum):
+        events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
+        events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
+        events.append((_sum(head["fwd"]) + _sum(head["bwd"]), 0.0, 0.0))
+        events += [(blk_b, ft["ag_block"], ft["rs_block"])] * a.n_layers
+        events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
+        for d, n, rec in costs["f_parts"] + costs["b_parts"]:
+            acc.add(d, n, rec)
+    busy = sum(e[0] for e in events)
+    fb = _fsdp_stream(events)
+    acc.comm_add(step.links["fsdp"].label, fb - busy)
+    return fb, 0.0, stage.total
+
+
+def _action_seconds(costs: dict, first_f: dict, sid: int, kind: str, m: int) -> float:
+    """One action of the schedule table: F (a stage's first one also waits for its FSDP
+    gather), B, or I and W (half a backward each)."""
+    c = costs[sid]
+    if kind == "F":
+        return c["F"] + (first_f[sid] if m == 0 else 0.0)
+    return c["B"] if kind == "B" else c["B"] / 2
+
+
+def _pp_stages(step: _Step, placement: list, n_stages: int) -> tuple[dict, dict, dict, dict]:
+    """Per stage id: its parameters, its F and B costs, its FSDP times and what its first forward
+    waits for the gather. FSDP under PP gathers a stage once, at its first forward (blocks
+    prefetched behind that forward), keeps it, and reduce-scatters once after the last backward."""
+    a, tp = step.args, step.cfg.parallelism.tp
+    stages = {
+        sid: stage_params(a, len(layers), sid == 0, sid == n_stages - 1, tp)
+        for rank in placement
+        for sid, layers in rank
+    }
+    costs = {sid: _stage_costs(step.blk, step.head, step.emb, stage) for sid, stage in stages.items()}
+    ft = {sid: _fsdp_times(step, stage) for sid, stage in stages.items()}
+    first_f = {}
+    for sid, stage in stages.items():
+        ag_stage = stage.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
+        first_f[sid] = ft[sid]["ag_block"] + max(0.0, ag_stage - ft[sid]["ag_block"] - costs[sid]["F"])
+    return stages, costs, ft, first_f
+
+
+def _pipelined_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
+    """With PP: the schedule's table run with the stages' costs (and again with free send/recv:
+    the difference is the exposed PP time), each rank's reduce-scatters after its last action;
+    the slowest rank sets the step. Returns the forward-backward seconds, the bubble and the most
+    parameters a rank holds."""
+    from core.parallel.schedule_sim import run_schedule  # local: torch, needed only with pp > 1
+    from core.parallel.stages import stages_per_rank
+
+    p, s = step.cfg.parallelism, step.shapes
+    placement = rank_stages(step.cfg)
+    n_stages = sum(len(x) for x in placement)
+    n_micro = microbatches(step.cfg)
+    table = schedule_table(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, step.args.n_layers))
+    stages, costs, ft, first_f = _pp_stages(step, placement, n_stages)
+    cost = functools.partial(_action_seconds, costs, first_f)
+    hop = step.links["pp"].p2p(s.tokens * s.sp * s.d * 2)
+    free1, _ = run_schedule(table, n_stages, cost, hop)
+    free0, _ = run_schedule(table, n_stages, cost, 0.0)
+    tails = [
+        sum(stages[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
+    ]
+    ends = [f + tl for f, tl in zip(free1, tails, strict=True)]
+    r = max(range(p.pp), key=lambda i: ends[i])
+    fb = step.accum * ends[r]
+    fsdp_label = step.links["fsdp"].label
+    for sid, _ in placement[r]:
+        for d, n, rec in costs[sid]["f_parts"] + costs[sid]["b_parts"]:
+            acc.add(d, n * n_micro * step.accum, rec)
+        acc.comm_add(fsdp_label, step.accum * first_f[sid])
+    acc.comm_add(fsdp_label, step.accum * tails[r])
+    acc.comm_add("pp", step.accum * max(0.0, max(free1) - max(free0)))
+    bubble = max(0.0, fb - sum(acc.parts.values()) - sum(acc.comm.values()))
+    params_local = max(sum(stages[sid].total for sid, _ in rank) for rank in placement)
+    return fb, bubble, params_local
+
+
+def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: int, memory: dict | None) -> dict:
+    """The step: forward-backward, the grad-norm all-reduce(s) and the optimizer; from it tokens/s
+    per GPU and MFU, the breakdown, and whether the memory estimate fits the GPU."""
+    from core.metrics import flops_per_token
+
+    p, t, spec = step.cfg.parallelism, step.cfg.training, step.spec
+    grad_norm = step.links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / step.shard / _Rates(spec).hbm
+    acc.comm_add("grad_norm", grad_norm)
+    step_s = fb + grad_norm + optimizer
+    tokens_step = t.local_batch_size * t.seq_len * step.accum * step.dims.dp
+    tps = tokens_step / step.dims.world_size / step_s
+    mfu = flops_per_token(step.args, t.seq_len) * tps / spec.peak_bf16_flops
+    mem = memory if memory is not None else estimate_memory(step.cfg, gpu_gib=spec.hbm_capacity_gib)
+    breakdown = {**acc.parts, "exposed_comm": dict(acc.comm), "bubble": bubble, "optimizer": optimizer}
+    return {
+        "gpu": spec.name,
+        "step_time_s": step_s,
+        "tokens_per_sec_per_gpu": tps,
+        "mfu": mfu,
+        "breakdown": breakdown,
+        "fits": mem["allocated_peak_gib"] <= spec.hbm_capacity_gib,
+        "allocated_peak_gib": mem["allocated_peak_gib"],
+        "capacity_gib": spec.hbm_capacity_gib,
+        "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in step.links.items()},
+        "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
     }
 
 
@@ -343,118 +451,9 @@ def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -
     """Step time, tokens/s per GPU, MFU and the breakdown (seconds) of a validated config on a
     GPU system (a spec name, see core/dryrun/hardware, or a GPUSpec). `memory`: the config's
     `estimate_memory` result if the caller has it (else computed) for `fits`."""
-    from core.parallel.mesh import ParallelDims
-
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
-    p, t = cfg.parallelism, cfg.training
-    dims = ParallelDims.from_config(p)
-    a = _args(cfg)
-    s = A.shapes(cfg)
-    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
-    fsdp_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
-    links = mesh_links(spec, sizes, fsdp_dims)
-    fsdp_label = links["fsdp"].label
-    shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
-    blk = block_times(cfg, s, spec, links)
-    head = head_times(cfg, s, spec, links, a.vocab_size)
-    emb = _emb_times(cfg, s, spec, links, a.vocab_size)
-    accum = max(1, t.grad_accum_steps)
+    step = _step_inputs(cfg, spec)
     acc = _Acc()
-    placement = M.rank_stages(cfg)
-    n_stages = sum(len(x) for x in placement)
-
-    def fsdp_times(sp):
-        b = _fsdp_bytes(cfg, sp)
-        fl, rep = links["fsdp"], links["dp_replicate"]
-        on = dims.fsdp_enabled
-        return {
-            "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
-            "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
-            "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / shard),
-            "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / shard),
-        }
-
-    if p.pp == 1:
-        sp = M.stage_params(a, a.n_layers, True, True, p.tp)
-        ft = fsdp_times(sp)
-        costs = _stage_costs(cfg, s, blk, head, emb, sp)
-        blk_f, blk_b = _sum(blk["fwd"]), _sum(blk["bwd"]) + _sum(blk["recompute"])
-        events = []
-        for _ in range(accum):
-            events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
-            events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
-            events.append((_sum(head["fwd"]) + _sum(head["bwd"]), 0.0, 0.0))
-            events += [(blk_b, ft["ag_block"], ft["rs_block"])] * a.n_layers
-            events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
-            for d, n, rec in costs["f_parts"] + costs["b_parts"]:
-                acc.add(d, n, rec)
-        busy = sum(e[0] for e in events)
-        fb = _fsdp_stream(events)
-        acc.comm_add(fsdp_label, fb - busy)
-        bubble, pp_exposed, params_local = 0.0, 0.0, sp.total
-    else:
-        from core.parallel.stages import stages_per_rank
-
-        n_micro = A.microbatches(cfg)
-        table = _order(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, a.n_layers))
-        sps = {
-            sid: M.stage_params(a, len(layers), sid == 0, sid == n_stages - 1, p.tp)
-            for rank in placement
-            for sid, layers in rank
-        }
-        sc = {sid: _stage_costs(cfg, s, blk, head, emb, sp) for sid, sp in sps.items()}
-        ft = {sid: fsdp_times(sp) for sid, sp in sps.items()}
-        # FSDP under PP gathers a stage once, at its first forward (blocks prefetched behind
-        # that forward), keeps it, and reduce-scatters once after the last backward.
-        first_f = {}
-        for sid, sp in sps.items():
-            ag_stage = sp.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
-            first_f[sid] = ft[sid]["ag_block"] + max(0.0, ag_stage - ft[sid]["ag_block"] - sc[sid]["F"])
-
-        def cost(sid, kind, m, with_fsdp=True):
-            c = sc[sid]
-            if kind == "F":
-                return c["F"] + (first_f[sid] if (m == 0 and with_fsdp) else 0.0)
-            return c["B"] if kind == "B" else c["B"] / 2  # I and W: half a backward each
-
-        hop = links["pp"].p2p(s.tokens * s.sp * s.d * 2)
-        free1, _ = _run_schedule(table, n_stages, cost, hop)
-        free0, _ = _run_schedule(table, n_stages, cost, 0.0)
-        tails = [
-            sum(sps[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
-        ]
-        ends = [f + tl for f, tl in zip(free1, tails, strict=True)]
-        r = max(range(p.pp), key=lambda i: ends[i])
-        fb = accum * ends[r]
-        for sid, _ in placement[r]:
-            for d, n, rec in sc[sid]["f_parts"] + sc[sid]["b_parts"]:
-                acc.add(d, n * n_micro * accum, rec)
-            acc.comm_add(fsdp_label, accum * first_f[sid])
-        acc.comm_add(fsdp_label, accum * tails[r])
-        pp_exposed = accum * max(0.0, max(free1) - max(free0))
-        acc.comm_add("pp", pp_exposed)
-        bubble = max(0.0, fb - sum(acc.parts.values()) - sum(acc.comm.values()))
-        params_local = max(sum(sps[sid].total for sid, _ in rank) for rank in placement)
-    grad_norm = links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / shard / _Rates(spec).hbm
-    acc.comm_add("grad_norm", grad_norm)
-    step = fb + grad_norm + optimizer
-    tokens_step = t.local_batch_size * t.seq_len * accum * dims.dp
-    tps = tokens_step / dims.world_size / step
-    from core.metrics import flops_per_token
-
-    mfu = flops_per_token(a, t.seq_len) * tps / spec.peak_bf16_flops
-    mem = memory if memory is not None else M.estimate_memory(cfg, gpu_gib=spec.hbm_capacity_gib)
-    breakdown = {**acc.parts, "exposed_comm": dict(acc.comm), "bubble": bubble, "optimizer": optimizer}
-    return {
-        "gpu": spec.name,
-        "step_time_s": step,
-        "tokens_per_sec_per_gpu": tps,
-        "mfu": mfu,
-        "breakdown": breakdown,
-        "fits": mem["allocated_peak_gib"] <= spec.hbm_capacity_gib,
-        "allocated_peak_gib": mem["allocated_peak_gib"],
-        "capacity_gib": spec.hbm_capacity_gib,
-        "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in links.items()},
-        "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
-    }
+    run = _flat_step if cfg.parallelism.pp == 1 else _pipelined_step
+    fb, bubble, params_local = run(step, acc)
+    return _prediction(step, acc, fb, bubble, params_local, memory)
