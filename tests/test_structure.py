@@ -164,8 +164,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_ALLOWED = frozenset(
     {
         "core/toggles/compile_cache.py::install",
-        "recipes/cli.py::show_cmd",
-        "recipes/cli.py::_run_rows",
         "recipes/results.py::write_results",
         "recipes/studies/preflight.py::run_preflight",
         "recipes/studies/toggles_bench.py::markdown",
