@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import click
 from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
-from recipes import hardware_check, launcher, modes, registry
+from recipes import hardware_check, launcher, modes, output, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -364,12 +365,32 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
         sbatch_opts=tuple(sbatch_opts),
         gpu=gpu,
     )
+    runner = modes.MODES[mode](options)
     try:
-        failed = modes.run_rows(modes.MODES[mode](options), recipes, overrides)
+        with output.stop_on_signals():
+            failed = modes.run_rows(runner, recipes, overrides)
     except modes.RowRefused as e:
         _fail(str(e), e.code)
+    except output.Stopped as e:
+        _fail(_stopped_line(e, mode, overrides), e.exit_code)
     if failed:
-        _fail(f"{len(failed)} of {len(recipes)} runs failed: {', '.join(failed)}", EXIT_FAILED)
+        lines = [f"{len(failed)} of {len(recipes)} runs failed:"]
+        lines += [f"  {rid}: {runner.failures[rid][0]}  [log: {runner.failures[rid][1]}]" for rid in failed]
+        _fail("\n".join(lines), EXIT_FAILED)
+
+
+def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
+    """One line: what stopped, the last complete checkpoint, the command that resumes."""
+    row = next((r for r in e.rows if not (r.run_dir / "result.json").is_file()), e.rows[0] if e.rows else None)
+    if row is None:
+        return f"\nstopped by {e}: nothing was running"
+    steps = launcher.checkpoint_steps(row.cfg, row.run_dir)
+    ckpt = f"last complete checkpoint step {steps[-1]}" if steps else "no complete checkpoint (it starts again)"
+    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    return (  # a new line first: a progress bar may have the cursor
+        f"\nstopped by {e}: {row.recipe.id} in {row.run_dir}; {ckpt}; resume with: "
+        f"run-recipe run {row.recipe.id} --mode {mode} --out {shlex.quote(str(row.run_dir))}{sets}"
+    )
 
 
 # ------------------------------------------------------------------------------ results

@@ -27,7 +27,7 @@ from core.config import ConfigError, JobConfig
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode
 from recipes.cluster_env import CUDA_ALLOC_CONF
-from recipes.output import stream
+from recipes.output import Stopped, failure_cause, stream
 from recipes.schema import Recipe
 
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3
@@ -83,6 +83,7 @@ class RowMode:
 
     def __init__(self, options: RunOptions | None = None):
         self.options = options or RunOptions()
+        self.failures: dict[str, tuple[str, Path]] = {}  # row id -> (the rank's own error line, log)
 
     # --------------------------------------------------------------------- before anything runs
     def check_options(self) -> None:
@@ -293,7 +294,11 @@ def run_local_rows(rows: list[Row], mode: RowMode) -> list[str]:
             click.echo(mode.banner(r))
         if len(group) > 1:
             click.echo(f"-- these {len(group)} rows share one torchrun, one after another")
-        rc, started = _launch(group, mode)
+        try:
+            rc, started = _launch(group, mode)
+        except Stopped as e:
+            e.rows = group
+            raise
         for i, r in enumerate(group):
             result = r.run_dir / "result.json"
             fresh = result.is_file() and result.stat().st_mtime >= started  # not a previous run's record
@@ -301,7 +306,9 @@ def run_local_rows(rows: list[Row], mode: RowMode) -> list[str]:
                 dest = mode.record(result, r.recipe, mode.options.records)
                 click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
                 continue
-            click.echo(f"FAILED: {r.recipe.id} (exit {rc}); log: {r.run_dir / 'train.log'}", err=True)
+            log = r.run_dir / "train.log"
+            click.echo(f"FAILED: {r.recipe.id} (exit {rc}); log: {log}", err=True)
+            mode.failures[r.recipe.id] = (failure_cause(log) or f"exit {rc}", log)
             failed.append(r.recipe.id)
             if group[i + 1 :]:  # the launch ended with this row: the rest get a launch of their own
                 pending.insert(0, group[i + 1 :])

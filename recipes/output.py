@@ -1,33 +1,98 @@
 """A launched process's output: echoed as it comes and kept in a log, or, for a multi-job launch
-of core.train, split into each job's own log."""
+of core.train, split into each job's own log. Every write reaches the file at once, so a killed
+launcher leaves the log up to that moment; a log that exists (a resumed run) is appended to,
+after a separator line. A signal to the launcher stops the whole launch (`Stopped`), and a failed
+launch's cause is found in its log (`failure_cause`).
+"""
 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import datetime
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from core.config import JOB_MARKER
 
+SEPARATOR = "===== run-recipe: a new launch"  # starts the line that opens each launch in a reused log
+STOP_GRACE_S = 30.0  # torchrun's agent stops its ranks on SIGTERM; after this the group is killed
+
+
+class Stopped(Exception):
+    """The launcher was asked to stop (SIGINT / SIGTERM); the launch was stopped with it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.rows: list = []  # the rows whose launch it stopped (recipes/modes.py fills it)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM raises Stopped (as Ctrl-C raises KeyboardInterrupt) so that the launch is stopped,
+    locks released and one line said; the previous handler comes back after."""
+
+    def handler(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Stopped(signal.SIGINT) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _open_log(path: Path):
+    """Append, unbuffered; a log with content gets a separator line first."""
+    f = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open for the launch, closed by JobLogs.close()
+    if f.tell():
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        f.write(f"\n{SEPARATOR}, {stamp} =====\n".encode())
+    return f
+
 
 class JobLogs:
     """Where a launch's output goes: one log, or, for a multi-job launch, each job's own log from
-    the JOB_MARKER line core.train prints before it (the marker lines are not echoed)."""
+    the JOB_MARKER line core.train prints before it (the marker lines are not echoed). A write
+    that fails (a full disk) stops the logging, never the launch: `error` says what happened."""
 
     def __init__(self, first: Path, by_output_dir: dict[str, Path] | None = None):
         self.by_output_dir = {str(Path(d).resolve()): log for d, log in (by_output_dir or {}).items()}
-        self.file = open(first, "wb")  # noqa: SIM115 - switched at markers, closed by close()
+        self.path = Path(first)
+        self.file = _open_log(self.path)
         self.pending = ""  # a partial line that may still become a marker
         self.line_ended = True
+        self.error: str | None = None
+
+    def _file_write(self, text: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text.encode())
+        except OSError as e:
+            self.error = f"{self.path}: stopped logging: {e.strerror or e}"
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
 
     def write(self, text: str) -> str:
         """Log `text`; returns what to echo."""
         if not self.by_output_dir:
-            self.file.write(text.encode())
+            self._file_write(text)
             return text
-        echo = []
+        echo: list[str] = []
         lines = (self.pending + text).split("\n")
         self.pending = lines.pop()
         for line in lines:
@@ -45,21 +110,48 @@ class JobLogs:
 
     def _write(self, text: str, echo: list[str]) -> None:
         if text:
-            self.file.write(text.encode())
+            self._file_write(text)
             echo.append(text)
             self.line_ended = text.endswith("\n")
 
     def _switch(self, output_dir: str) -> None:
         path = self.by_output_dir.get(str(Path(output_dir).resolve()))
-        if path is not None and Path(self.file.name) != path:
-            self.file.close()
-            self.file = open(path, "wb")  # noqa: SIM115 - the next job's log, closed by close() or the next switch
+        if path is not None and path != self.path:
+            if self.file is not None:
+                self.file.close()
+            self.path = path
+            try:
+                self.file = _open_log(path)
+            except OSError as e:
+                self.file, self.error = None, f"{path}: cannot open: {e.strerror or e}"
 
     def close(self) -> str:
         rest, self.pending = self.pending, ""
-        self.file.write(rest.encode())
-        self.file.close()
+        self._file_write(rest)
+        if self.file is not None:
+            self.file.close()
         return rest
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a launch started in its own session: SIGTERM to torchrun (its agent stops the ranks),
+    then SIGKILL to whatever of the session is left after STOP_GRACE_S, so no rank outlives us."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # the ranks leave after the agent: wait for the session to empty
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
 
 
 def stream(
@@ -67,11 +159,12 @@ def stream(
 ) -> int:
     """Run cmd, copying its merged stdout/stderr to `out` (default sys.stdout) and log_path as it
     comes (chunks, so progress bars are not held back until a newline). `job_logs` (output dir ->
-    log) splits a multi-job launch's output per job, log_path taking what precedes the first."""
+    log) splits a multi-job launch's output per job, log_path taking what precedes the first.
+    A Stopped (or Ctrl-C) stops the launch and is raised again."""
     out = out or sys.stdout
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     logs = JobLogs(log_path, job_logs)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         fd = proc.stdout.fileno()
         while True:
@@ -81,13 +174,39 @@ def stream(
             out.write(logs.write(decoder.decode(chunk)))
             out.flush()
         return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
+    except (Stopped, KeyboardInterrupt) as e:
+        _stop(proc)
+        raise (e if isinstance(e, Stopped) else Stopped(signal.SIGINT)) from None
     finally:
         out.write(logs.close())
+        if logs.error:
+            out.write(f"\nwarning: {logs.error}\n")
         proc.stdout.close()
+
+
+# ----------------------------------------------------------------------------- a failure's cause
+_OWN_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:config )?error: .+)$")  # the project's one-line errors
+_EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+_LAUNCHER_NOISE = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
+
+
+def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
+    """The line of a failed launch's log that says why: the project's own `error: ...` line (a
+    rank says it once), else the last exception a rank raised (not torchrun's report of it)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if any(line.startswith(SEPARATOR) for line in lines):  # only this launch's part of a reused log
+        lines = lines[max(i for i, line in enumerate(lines) if line.startswith(SEPARATOR)) + 1 :]
+    for line in reversed(lines):
+        m = _OWN_LINE.match(line.strip())
+        if m:
+            return m.group(1)
+    for line in reversed(lines):
+        m = _EXCEPTION.match(line.strip())
+        if m and not any(noise in line for noise in _LAUNCHER_NOISE):
+            return m.group(1)
+    return None
