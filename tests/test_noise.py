@@ -11,7 +11,6 @@ import pytest
 
 from tests.dist_utils import ROOT
 
-
 pytestmark = [pytest.mark.toggles]
 
 KNOWN = ("Failed to load", "KernelPreference")  # torchao's prebuilt kernels; torch's Enum notice
