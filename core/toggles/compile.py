@@ -9,8 +9,9 @@ compiled with the block).
 
 Compiled artifacts (inductor's FX graph cache, AOTAutograd cache, generated C++/Triton code)
 go to TORCHINDUCTOR_CACHE_DIR; unless the caller set it we use `.cache/inductor` under the
-repo, so a rerun of any job on this machine skips the cold compile, and the ranks of a job share
-one compile of each graph (core/toggles/compile_cache.py).
+repo, so a rerun of any job on this machine skips the cold compile. With `compile.shared_cache`
+on (auto: on CPU) the ranks of a job also share one compile of each graph
+(core/toggles/compile_cache.py); otherwise torch's own caching runs, unpatched.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ def ensure_cache_dir() -> str:
     # Both are on by default in recent torch; set them so an older default cannot disable reuse.
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    compile_cache.install()
     return path
 
 
@@ -113,11 +113,14 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     return outer
 
 
-def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str, str] | None = None) -> nn.Module:
+def apply_compile(
+    model: nn.Module, cfg: Compile, toggles, device_type: str, group_roles: dict[str, str] | None = None
+) -> nn.Module:
     """Replace each block of model.layers by its compiled version, in place. Returns model.
 
-    `group_roles` (mesh dim -> this rank's group name) lets ranks of different TP/CP groups share
-    one compiled graph (compile_cache.name_groups).
+    `device_type` (the mesh's) resolves `cfg.shared_cache`; `group_roles` (mesh dim -> this
+    rank's group name) lets ranks of different TP/CP groups share one compiled graph
+    (compile_cache.name_groups).
 
     FQNs gain `_orig_mod.`; torch.distributed.checkpoint's state_dict helpers strip it, so a
     checkpoint saved compiled loads uncompiled and back.
@@ -128,6 +131,7 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    compile_cache.use(compile_cache.wanted(cfg.shared_cache, device_type))
     probe_cpu_isas_in_background()
     compile_cache.name_groups(group_roles or {})
     if cfg.emulate_precision_casts:
