@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # private: group registry, timeout setter
 
 from core.fileio import atomic_write
 
@@ -62,6 +62,7 @@ def set_pg_timeouts(seconds: float, exclude=()) -> int:
 
 def pg_timeout_seconds(pg=None) -> float:
     """The timeout a group's backend currently applies (for checks and tests)."""
+    # private: a backend's applied timeout has no public reader
     pg = pg or dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return backend.options._timeout.total_seconds()
@@ -114,7 +115,8 @@ def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
 def _dump(cfg, reason: str) -> Path:
     rank = dist.get_rank()
     cuda = torch.cuda.is_available()
-    # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one
+    # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one.
+    # Private bindings: the flight recorder's dumps have no public Python API.
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
     raw = (dump or c10d._dump_fr_trace)()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # private: no public type of it
 from torch.distributed.tensor import DTensor
 
 from core.config import Compile
@@ -35,7 +35,8 @@ DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
 
 def ensure_cache_dir() -> str:
     """Point inductor's caches at the project cache dir unless TORCHINDUCTOR_CACHE_DIR is set."""
-    # Imported here: inductor's config costs ~1 s to import and only compile runs need it.
+    # Imported here: inductor's config costs ~1 s to import and only compile runs need it. Private
+    # modules: the caches' switches and torch's default cache dir have no public API.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -64,7 +65,7 @@ def probe_cpu_isas_in_background() -> None:
     if _isa_probes_started or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
         return
     _isa_probes_started = True
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import cpu_vec_isa  # private: inductor's ISA probes (no public way to start them)
 
     flags = cpu_vec_isa.x86_isa_checker()
     for isa in cpu_vec_isa.supported_vec_isa_list:  # inductor's own filter (valid_vec_isa_list)
@@ -104,6 +105,7 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     identical. Op-level SAC with TP compiles fine and stays inside.
     """
     if getattr(block, "ac_mode", None) == "full" and _holds_dtensors(block):
+        # private attribute: the wrapper's inner module (no public accessor)
         inner = torch.compile(block._checkpoint_wrapped_module, backend=cfg.backend, fullgraph=cfg.fullgraph)
         block._checkpoint_wrapped_module = inner
         outer = block
@@ -135,7 +137,7 @@ def apply_compile(
     probe_cpu_isas_in_background()
     compile_cache.name_groups(group_roles or {})
     if cfg.emulate_precision_casts:
-        import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
+        import torch._inductor.config as inductor_config  # ~1 s import: compile runs only; no public switch
 
         inductor_config.emulate_precision_casts = True
     for name, block in blocks:
