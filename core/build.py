@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-# private: DTensor's RNG tracker has no public hook (torchtitan sets it the same way)
-from torch.distributed.tensor import _random as dtensor_random
+from torch.distributed.tensor import _random as dtensor_random  # private: DTensor's RNG trackers, no public API
 
 from core.config import JobConfig
 from core.models.args import ModelArgs
@@ -70,14 +68,15 @@ class CPUOffsetRNGTracker(dtensor_random.OffsetBasedRNGTracker):
     depend on which rank runs it."""
 
     def __init__(self, seed: int):
-        dtensor_random._RNGStateTracker.__init__(self, torch.device("cpu"))  # skip the CUDA-only checks
+        # private base class: its __init__ without OffsetBasedRNGTracker's CUDA-only checks
+        dtensor_random._RNGStateTracker.__init__(self, torch.device("cpu"))
         self.seed, self.offset = seed, 0
 
     def _generator_seed(self, offset: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{offset}".encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
-    @contextlib.contextmanager
+    @contextlib.contextmanager  # overrides torch's private hook: a random op on a DTensor runs inside it
     def _distribute_region(self, spec, generator: torch.Generator | None = None):
         start, end = self._compute_rng_offsets(spec)
         with torch.random.fork_rng(devices=[]):

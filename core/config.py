@@ -35,6 +35,7 @@ Reshard = Literal["default", "always", "never"]
 CPRotate = Literal["allgather", "alltoall"]
 ACMode = Literal["none", "full", "selective"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
+SharedCache = Literal["auto", "on", "off"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 DTYPES: tuple[str, ...] = typing.get_args(DType)
@@ -211,6 +212,14 @@ class Compile:
     fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
     emulate_precision_casts: bool = field(
         default=False, metadata={"doc": "round fused bf16 values as eager does (for parity checks)"}
+    )
+    shared_cache: SharedCache = field(
+        default="auto",
+        metadata={
+            "doc": "ranks share compiled graphs (core/toggles/compile_cache.py: patched inductor/AOTAutograd "
+            "caches, mesh-aware keys, one rank compiles each graph for all): on | off | auto (on on CPU, off on "
+            "CUDA: torch's own caching). Proven on CPU gloo proxies with torch 2.13 only"
+        },
     )
 
 

@@ -26,7 +26,7 @@ _library: torch.library.Library | None = None  # the registered override; None: 
 
 def has_fast_bf16_gemm() -> bool:
     """torch's own test for sending a CPU bf16 GEMM to oneDNN (AVX-512 or AMX on x86, bf16 on Arm)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # private: the dispatcher's own test
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # private op: torch's own test, no public one
 
 
 def resolve(choice: Bf16Gemm, device: torch.device, param_dtype: str) -> Literal["native", "fp32"]:
@@ -47,7 +47,7 @@ def use(mode: Literal["native", "fp32"]) -> None:
     if mode == active():
         return
     if mode == "native":
-        _library._destroy()  # private, no public unregister: torch's kernels are registered again
+        _library._destroy()  # private: a Library cannot be removed publicly; torch's kernels come back
         _library = None
         return
     lib = torch.library.Library("aten", "IMPL")

@@ -36,9 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-# private, no public API: a live group's timeout, the table of groups (tests/test_private_apis.py)
-from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # private: group registry, timeout setter
 
 from core.fileio import atomic_write
 from core.logs import get_logger
@@ -67,8 +65,8 @@ def set_pg_timeouts(seconds: float, exclude=()) -> int:
 
 def pg_timeout_seconds(pg=None) -> float:
     """The timeout a group's backend currently applies (for checks and tests)."""
+    # private: a backend's applied timeout has no public reader
     pg = pg or dist.group.WORLD
-    # private: a backend's options hold the timeout it applies
     backend = pg._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return backend.options._timeout.total_seconds()
 
@@ -120,8 +118,9 @@ def dump_flight_recorder(cfg, reason: str = "") -> Path | None:
 def _dump(cfg, reason: str) -> Path:
     rank = dist.get_rank()
     cuda = torch.cuda.is_available()
-    # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one
-    c10d = torch._C._distributed_c10d  # private: the Flight Recorder's dumps have no public API
+    # CUDA: NCCL's own recorder (completion states, its process-group table); gloo: the generic one.
+    # Private bindings: the flight recorder's dumps have no public Python API.
+    c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
     raw = (dump or c10d._dump_fr_trace)()
     data = pickle.loads(raw)

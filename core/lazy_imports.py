@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 
 from core.config import JobConfig
+from core.noise import quiet_library_warnings
 
 # Not HF `datasets` (0.6 s): its pyarrow starts an allocator thread at import, and a process with
 # threads is not safe to fork.
@@ -21,7 +22,9 @@ def features(cfg: JobConfig) -> set[str]:
 
 
 def import_for(cfgs: list[JobConfig]) -> list[str]:
-    """Import what these jobs will import lazily; returns the module names."""
+    """Import what these jobs will import lazily; returns the module names. The known library
+    messages (core/noise.py) are filtered first: torchao logs its own at import."""
+    quiet_library_warnings()
     names = [m for f in sorted(set().union(*map(features, cfgs))) for m in BY_FEATURE[f]]
     for name in names:
         importlib.import_module(name)

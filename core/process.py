@@ -36,7 +36,7 @@ def exit_process(rc: int) -> None:
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(rc)
     # private, no public equivalent: run the atexit handlers before os._exit skips them
-    # (tests/test_faults.py fails if it goes)
+    # (tests/test_torch_internals.py)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

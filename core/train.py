@@ -389,6 +389,7 @@ def run(cfg: JobConfig, startup_s: dict[str, float | None] | None = None) -> dic
     t_init = time.perf_counter() - t0
     record = trainer.train()
     if cfg.compile.enabled:  # a cold first step compiles: say whether the graphs came from the cache
+        record["compile_shared_cache"] = compile_cache.active()  # compile.shared_cache, as resolved
         for cache, lookups in compile_cache.counts_of_all_ranks(cache_before).items():
             record[f"{cache}_cache_all_ranks"] = lookups
     steps = record["step_times_s"]

@@ -16,11 +16,14 @@ The loss-convergence table is the exception in naming: `loss_convergence.csv` ho
 from __future__ import annotations
 
 import csv
+import functools
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import tomllib
 
 from core.fileio import atomic_path, atomic_write
 from recipes import figures, loss_curves, registry
@@ -180,49 +183,13 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
 
 
 # ---------------------------------------------------------------------------------- writing
-README_HOW = """\
-## How each number was produced
 
-- **paper**, **bench-2412**: typed once into the recipe files (`[reference]` of each row) from
-  `shared/reference/paper_tables.md`: the TorchTitan paper (arXiv 2410.06511) and the public
-  benchmark file `llama3_h100_202412_torchtitan`. H100 GPUs; throughput read at iteration 90;
-  memory = peak reserved GiB, max over ranks; `~` marks the less certain paper memory figures.
-  `paper gain %`: the paper's throughput against the row's baseline (`gain of` names what the row
-  adds: compile, Float8, AsyncTP, a schedule) or, in the long-context tables, the previous row.
-- **predicted** (`predicted TPS/GPU`, `TPS error %`, `predicted gain %`, `predicted MFU %`,
-  `predicted step s`): the performance model (`core/dryrun/runtime.py`) at the row's true scale on
-  the GPU spec `predicted GPU` (`core/dryrun/hardware/<name>.toml`: datasheet figures and cited
-  benchmarks, two constants calibrated on the rows the tables name and mark †), read from the
-  `predicted` part of the row's dry-run record. Gains are between predictions, errors against the
-  paper. Each table's figure (`<table>.png`) sets paper and predicted TPS/GPU side by side and
-  stacks the predicted step: compute, memory-bound work, recompute, communication left exposed
-  per mesh dimension, pipeline bubble, optimizer.
-- **dry-run mem GiB** (`dry-run est. mem GiB`, `mem error %`): `core.dryrun.record.dry_run`'s
-  estimated peak reserved memory per rank at true scale, from `records/dry-run/`.
-- **ours**: the result records in `records/<mode>/<recipe>.json`, written by the trainer
-  (`python -m core.train`, launched by `run-recipe run`); a real record wins over a proxy one
-  (`ours mode`). `real`: the paper's configuration on GPUs. `proxy`: the same layout (parallel
-  dims > 1, schedule, toggles) scaled to a CPU (small model, short sequence, gloo): compare its
-  gains and loss agreement, not its absolute figures.
-  - `ours TPS/device`: tokens/s per rank, mean over the steps after the first (lazy init and
-    compilation). `ours MFU %`: FLOPs/token (6 (N - N_emb) + 12 L H (D/H) T) x tokens/s per device
-    / the peak of the record's hardware (vendor BF16 peak on CUDA, measured matmul peak on CPU);
-    empty when Float8 was applied (the paper reports none). `ours peak mem GiB`: max over ranks of
-    CUDA max reserved memory (real) or peak RSS (proxy). `ours hardware`, `ours versions`: the
-    device, torch, torchao and git commit of the record.
-  - `ours gain %`: against our record of the same comparison row, same mode only. On a CPU proxy
-    Float8 runs torchao's emulation (`float8:emulated`: no fast float8 GEMM on a CPU) and compile
-    gains depend on tiny shapes: the sign and size describe this CPU, not an H100.
-  - `ours PP bubble %`: the schedule's ideal idle fraction from its own action table
-    (`pp_bubble_fraction`; hardware independent). `ours notes`: toggles that could not run here,
-    with the reason (AsyncTP needs CUDA symmetric memory): a gain measured without its technique
-    says so.
-  - `max |Δloss| vs baseline` (loss convergence): the largest per-step difference from the
-    baseline (1D) record of the same mode and step count; the curves' check (smoothed, trailing
-    window, stated tolerance) is in `loss_convergence.md`.
 
-An empty cell means no record: nothing is typed in. Regenerate with `run-recipe results`.
-"""
+@functools.cache
+def prose() -> dict:
+    """The prose results/ prints (recipes/results_readme.toml): README intro, table footers, how
+    each number was made, what the other results files are."""
+    return tomllib.loads((resources.files("recipes") / "results_readme.toml").read_text(encoding="utf-8"))
 
 
 def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
@@ -234,50 +201,55 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
     written: list[Path] = []
     index = []
     for table in TABLES:
-        recipes = registry.by_table(table)
-        df = table_frame(table, records, recipes)
-        meta = info.get(table, {})
-        csv_name = table_csv_name(table)
-        df.to_csv(out / csv_name, index=False)
-        n_ours = int(df["ours mode"].notna().sum())
-        md = [f"# {meta.get('title', table)}", "", meta.get("caption", ""), ""]
-        written += [out / f"{table}.md", out / csv_name]
-        fig = None
-        if table == "loss_convergence":  # no paper throughput: the wide table, curves below
-            md += [to_markdown(df, recipes), ""]
-        else:
-            png = figures.table_figure(meta.get("title", table), figures.figure_rows(df, records), out / f"{table}.png")
-            if png is None:
-                (out / f"{table}.png").unlink(missing_ok=True)  # a figure of records no longer there
-            else:
-                fig = png.name
-                written.append(png)
-            md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
-        md += [
-            (
-                f"{n_ours} of {len(df)} rows have a record of ours. Every column: [{csv_name}]({csv_name}); "
-                "how the numbers were made: [README.md](README.md)."
-            ),
-            "",
-        ]
-        if table == "loss_convergence":
-            # the curves, their plot and check: from the same records
-            proxy = {
-                rid: rec for (rid, mode), rec in records.items() if mode == "proxy" and rid in {r.id for r in recipes}
-            }
-            files, section = loss_curves.write_outputs(proxy, out)
-            written += files
-            md += [section]
-        atomic_write(out / f"{table}.md", "\n".join(md))
-        index.append((table, meta.get("title", table), len(df), n_ours, csv_name, fig))
+        entry, files = _write_table(table, info.get(table, {}), records, out)
+        written += files
+        index.append(entry)
+    atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written)))
+    written.append(out / "README.md")
+    return written
 
+
+def _write_table(table: str, meta: dict, records: dict, out: Path) -> tuple[tuple, list[Path]]:
+    """<table>.md, its CSV and figure; returns (its README index entry, the files written)."""
+    recipes = registry.by_table(table)
+    df = table_frame(table, records, recipes)
+    title = meta.get("title", table)
+    csv_name = table_csv_name(table)
+    df.to_csv(out / csv_name, index=False)
+    n_ours = int(df["ours mode"].notna().sum())
+    md = [f"# {title}", "", meta.get("caption", ""), ""]
+    written = [out / f"{table}.md", out / csv_name]
+    fig = None
+    if table == "loss_convergence":  # no paper throughput: the wide table, curves below
+        md += [to_markdown(df, recipes), ""]
+    else:
+        png = figures.table_figure(title, figures.figure_rows(df, records), out / f"{table}.png")
+        if png is None:
+            (out / f"{table}.png").unlink(missing_ok=True)  # a figure of records no longer there
+        else:
+            fig = png.name
+            written.append(png)
+        md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
+    md += [prose()["table_footer"].format(n_ours=n_ours, n_rows=len(df), csv=csv_name), ""]
+    if table == "loss_convergence":
+        # the curves, their plot and check: from the same records
+        ids = {r.id for r in recipes}
+        proxy = {rid: rec for (rid, mode), rec in records.items() if mode == "proxy" and rid in ids}
+        files, section = loss_curves.write_outputs(proxy, out)
+        written += files
+        md += [section]
+    atomic_write(out / f"{table}.md", "\n".join(md))
+    return (table, title, len(df), n_ours, csv_name, fig), written
+
+
+def _readme(records: dict, records_dir: Path, out: Path, index: list[tuple], written: set[Path]) -> str:
+    """results/README.md: the tables' index, the other results files, how each number was made,
+    and the records used."""
+    text = prose()
     lines = [
         "# Results",
         "",
-        (
-            "Generated by `run-recipe results` from the records in "
-            f"`{relative(Path(records_dir).resolve(), out.resolve())}` only. Do not edit by hand."
-        ),
+        text["intro"].format(records=relative(records_dir.resolve(), out.resolve())),
         "",
         "| table | rows | rows with our record | figure |",
         "|---|---|---|---|",
@@ -286,54 +258,35 @@ def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
         f"| [{title}]({t}.md) ([csv]({c})) | {n} | {k} | {f'[{f}]({f})' if f else ''} |"
         for t, title, n, k, c, f in index
     ]
-    others = _other_files(out, set(written))
+    others = _other_files(out, written)
     if others:
         lines += ["", "## Other results", "", "| file | what |", "|---|---|"]
         lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
-    lines += ["", README_HOW, "## Records used", ""]
-    if records:
-        rec_rows = [
-            {
-                "recipe": rid,
-                "mode": mode,
-                "hardware": (rec.get("hardware") or {}).get("device", ""),
-                "world": rec.get("world_size", ""),
-                "steps": rec.get("steps", ""),
-                **{k: (rec.get("versions") or {}).get(k, "") for k in ("torch", "torchao", "git")},
-                "finished": rec.get("finished_at", ""),
-            }
-            for (rid, mode), rec in sorted(records.items())
-        ]
-        lines.append(pd.DataFrame(rec_rows).astype(str).to_markdown(index=False, disable_numparse=True))
-    else:
-        lines.append("No records yet: run `run-recipe run <id> --mode proxy` (or real, dry-run).")
-    atomic_write(out / "README.md", "\n".join(lines) + "\n")
-    written.append(out / "README.md")
-    return written
+    lines += ["", text["how"], "## Records used", ""]
+    lines.append(_records_table(records) if records else text["no_records"])
+    return "\n".join(lines) + "\n"
 
 
-# Results files other commands write; indexed when present (anything else found is listed too).
-OTHER_FILES = {
-    "loss_convergence.png": "loss curves of the four loss-convergence layouts (`run-recipe convergence`)",
-    "loss_convergence.csv": "their per-step losses: step, one column per row",
-    "golden/loss_convergence.json": "golden loss-convergence curves + versions (regression test prefix)",
-    "dry_run.md": "true-scale dry-run memory per rank vs the paper (`run-recipe run ID --mode dry-run`)",
-    "dry_run.csv": "the same as CSV",
-    "loss_parity.md": "loss parity of every N-D layout vs one process (`run-recipe parity`)",
-    "loss_parity.csv": "the same as CSV",
-    "toggles.md": "activation checkpointing, compile, Float8, AsyncTP: effect and status",
-    "benchmarks.csv": "trainer overhead, proxy MFU, FSDP memory per rank (`run-recipe bench`)",
-    "checkpoint_overhead.csv": "DCP save/load times, sync vs async",
-    "toggles.csv": "the same as toggles.md, one measured figure per line (`run-recipe bench`)",
-    "toggles.json": "the raw measurements behind toggles.md",
-    "cp_activation_memory.json": "activation memory per rank at CP 1, 2, 4 (`run-recipe cp-memory`)",
-}
+def _records_table(records: dict) -> str:
+    rows = [
+        {
+            "recipe": rid,
+            "mode": mode,
+            "hardware": (rec.get("hardware") or {}).get("device", ""),
+            "world": rec.get("world_size", ""),
+            "steps": rec.get("steps", ""),
+            **{k: (rec.get("versions") or {}).get(k, "") for k in ("torch", "torchao", "git")},
+            "finished": rec.get("finished_at", ""),
+        }
+        for (rid, mode), rec in sorted(records.items())
+    ]
+    return pd.DataFrame(rows).astype(str).to_markdown(index=False, disable_numparse=True)
 
 
 def _other_files(out: Path, written: set[Path]) -> list[tuple[str, str]]:
     found = []
     generated = {p.name for p in written} | {"README.md"}  # the tables, indexed above
-    for name, what in OTHER_FILES.items():
+    for name, what in prose()["other_files"].items():
         if (out / name).is_file():
             found.append((name, what))
     known = {n for n, _ in found} | generated

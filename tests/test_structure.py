@@ -159,18 +159,6 @@ def test_no_module_over_500_lines():
 
 
 MAX_FUNCTION_LINES = 80
-# Temporary: functions still over MAX_FUNCTION_LINES while they are being split. Drop an entry
-# once its function is split (the test below fails on an entry that no longer needs it).
-LONG_FUNCTIONS_ALLOWED = frozenset(
-    {
-        "core/toggles/compile_cache.py::install",
-        "recipes/results.py::write_results",
-        "recipes/studies/preflight.py::run_preflight",
-        "recipes/studies/toggles_bench.py::markdown",
-    }
-)
-
-
 def _long_functions() -> dict[str, int]:
     """`path::name` -> lines (from `def` to its last line, decorators not counted) of every
     function or method in the packages, nested ones included, longer than MAX_FUNCTION_LINES."""
@@ -187,10 +175,7 @@ def _long_functions() -> dict[str, int]:
 
 def test_no_function_over_80_lines():
     long = _long_functions()
-    new = {k: n for k, n in long.items() if k not in LONG_FUNCTIONS_ALLOWED}
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {new}"
-    stale = sorted(LONG_FUNCTIONS_ALLOWED - set(long))
-    assert not stale, f"now at most {MAX_FUNCTION_LINES} lines, drop them from LONG_FUNCTIONS_ALLOWED: {stale}"
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
 @pytest.mark.parametrize(

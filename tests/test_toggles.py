@@ -286,6 +286,7 @@ def test_compile_composes_with_fsdp2(tmp_path_factory, reference_fp32):
     rec = GROUPS.get("toggles.compile_fsdp2", tmp_path_factory)
     assert rec["hardware"]["bf16_gemm"] == "native"  # fp32 training leaves torch's kernels alone
     assert {"compile", "fsdp"} <= set(rec["toggles_applied"])
+    assert rec["compile_shared_cache"] is True  # compile.shared_cache=auto on CPU ranks
     assert max_abs_diff(rec["losses"], reference_fp32) < 1e-5
 
 

@@ -20,6 +20,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.distributed as dist
+
+# private, no public equivalents: fake tensors, FSDP2's memory tracker, the fake process group's
+# store (torch's own tests use them the same way); tests/test_torch_internals.py guards them
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker

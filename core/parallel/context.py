@@ -17,14 +17,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-
-# private: the ring attention's kernels, called here with CPU flash attention (no public entry)
-import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
+import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention  # private: ring templates
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.experimental._attention import set_rotate_method
+from torch.distributed.tensor.experimental._attention import set_rotate_method  # private: no public switch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from core.config import JobConfig
@@ -140,6 +138,7 @@ def _ring_cpu_flash_backward(
 
 def _cpu_flash_handler(op_call, args, kwargs):
     """DTensor custom-op handler: every tensor in and out is sequence-sharded on the cp mesh."""
+    # private: DTensor's dispatcher, as torch's own CP handlers unwrap args (no public equivalent)
     info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     fn = (
         _ring_cpu_flash

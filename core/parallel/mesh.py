@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout  # private: no public setter of a group's timeout
+from torch.distributed.distributed_c10d import _set_pg_timeout  # private: no public live-timeout setter
 
 from core.config import Parallelism
 
@@ -51,7 +51,7 @@ class ParallelDims:
         which would otherwise keep the backend's default whatever the default group has."""
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-        # private: DeviceMesh has no public flatten in torch 2.13 (torchtitan uses the same)
+        # private: DeviceMesh has no public flatten (torchtitan's way to the dp / dp_cp views)
         flat = {name: root[dims]._flatten(name) for name, dims in FLATTENED.items()}
         mesh = WorldMesh(root, flat)
         if timeout_seconds is not None:
@@ -93,7 +93,7 @@ class WorldMesh:
             return self.root[names]
         if len(names) == 1:
             return self.flat[names[0]]
-        return DeviceMesh._concatenate([self[n] for n in names])  # private: no public join of mesh views
+        return DeviceMesh._concatenate([self[n] for n in names])  # private: no public mesh concatenation
 
     def __repr__(self) -> str:
         return f"WorldMesh({self.root}, flattened={sorted(self.flat)})"

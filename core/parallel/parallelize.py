@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
             model, cfg.activation_checkpoint, toggles, save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm
         )
     if cfg.compile.enabled:
-        apply_compile(model, cfg.compile, toggles, group_roles(mesh))
+        apply_compile(model, cfg.compile, toggles, mesh.root.device_type, group_roles(mesh))
     if dims.fsdp_enabled:
         t, p = cfg.training, cfg.parallelism
         apply_fsdp(

@@ -14,6 +14,8 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from tabulate import tabulate
+
+# private: a schedule's action table without a process group, and its action type (no public API)
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _Action
 

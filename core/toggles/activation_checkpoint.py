@@ -19,16 +19,15 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
-
-# private module, the wrapper torchtitan and FSDP2's docs use for per-block AC
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # private: no public one
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from core.config import ActivationCheckpoint
 
 aten = torch.ops.aten
 
-# Ops whose outputs selective op AC saves (their recompute costs FLOPs or communication).
+# Ops whose outputs selective op AC saves (their recompute costs FLOPs or communication). The
+# underscored ATen / c10d ops are what matmul, SDPA and TP dispatch to: a policy sees only those.
 SAVE_OPS = {
     aten.mm.default,
     aten._scaled_mm.default,  # float8 matmuls

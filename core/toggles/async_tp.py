@@ -19,7 +19,7 @@ import shutil
 import subprocess
 
 import torch
-import torch.distributed._symmetric_memory as symm_mem  # private: AsyncTP's only API in torch 2.13
+import torch.distributed._symmetric_memory as symm_mem  # private: symmetric memory has no public module yet
 from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import ConfigError, JobConfig
@@ -77,7 +77,7 @@ def apply_async_tp(tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> bool:
         return False
     import torch._inductor.config as inductor_config  # ~1 s import: AsyncTP runs only
 
-    inductor_config._micro_pipeline_tp = True
+    inductor_config._micro_pipeline_tp = True  # private flag: the only switch for inductor's AsyncTP pass
     symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     toggles.apply("async_tp")
     return True

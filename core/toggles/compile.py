@@ -9,8 +9,9 @@ compiled with the block).
 
 Compiled artifacts (inductor's FX graph cache, AOTAutograd cache, generated C++/Triton code)
 go to TORCHINDUCTOR_CACHE_DIR; unless the caller set it we use `.cache/inductor` under the
-repo, so a rerun of any job on this machine skips the cold compile, and the ranks of a job share
-one compile of each graph (core/toggles/compile_cache.py).
+repo, so a rerun of any job on this machine skips the cold compile. With `compile.shared_cache`
+on (auto: on CPU) the ranks of a job also share one compile of each graph
+(core/toggles/compile_cache.py); otherwise torch's own caching runs, unpatched.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # private: no public type of it
 from torch.distributed.tensor import DTensor
 
 from core.config import Compile
@@ -34,7 +35,8 @@ DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
 
 def ensure_cache_dir() -> str:
     """Point inductor's caches at the project cache dir unless TORCHINDUCTOR_CACHE_DIR is set."""
-    # Imported here: inductor's config costs ~1 s to import and only compile runs need it.
+    # Imported here: inductor's config costs ~1 s to import and only compile runs need it. Private
+    # modules: the caches' switches and torch's default cache dir have no public API.
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -46,7 +48,6 @@ def ensure_cache_dir() -> str:
     # Both are on by default in recent torch; set them so an older default cannot disable reuse.
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    compile_cache.install()
     return path
 
 
@@ -64,7 +65,7 @@ def probe_cpu_isas_in_background() -> None:
     if _isa_probes_started or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
         return
     _isa_probes_started = True
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import cpu_vec_isa  # private: inductor's ISA probes (no public way to start them)
 
     flags = cpu_vec_isa.x86_isa_checker()
     for isa in cpu_vec_isa.supported_vec_isa_list:  # inductor's own filter (valid_vec_isa_list)
@@ -104,6 +105,7 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     identical. Op-level SAC with TP compiles fine and stays inside.
     """
     if getattr(block, "ac_mode", None) == "full" and _holds_dtensors(block):
+        # private attribute: the wrapper's inner module (no public accessor)
         inner = torch.compile(block._checkpoint_wrapped_module, backend=cfg.backend, fullgraph=cfg.fullgraph)
         block._checkpoint_wrapped_module = inner
         outer = block
@@ -113,11 +115,14 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
     return outer
 
 
-def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str, str] | None = None) -> nn.Module:
+def apply_compile(
+    model: nn.Module, cfg: Compile, toggles, device_type: str, group_roles: dict[str, str] | None = None
+) -> nn.Module:
     """Replace each block of model.layers by its compiled version, in place. Returns model.
 
-    `group_roles` (mesh dim -> this rank's group name) lets ranks of different TP/CP groups share
-    one compiled graph (compile_cache.name_groups).
+    `device_type` (the mesh's) resolves `cfg.shared_cache`; `group_roles` (mesh dim -> this
+    rank's group name) lets ranks of different TP/CP groups share one compiled graph
+    (compile_cache.name_groups).
 
     FQNs gain `_orig_mod.`; torch.distributed.checkpoint's state_dict helpers strip it, so a
     checkpoint saved compiled loads uncompiled and back.
@@ -128,10 +133,11 @@ def apply_compile(model: nn.Module, cfg: Compile, toggles, group_roles: dict[str
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    compile_cache.use(compile_cache.wanted(cfg.shared_cache, device_type))
     probe_cpu_isas_in_background()
     compile_cache.name_groups(group_roles or {})
     if cfg.emulate_precision_casts:
-        import torch._inductor.config as inductor_config  # ~1 s import: compile runs only
+        import torch._inductor.config as inductor_config  # ~1 s import: compile runs only; no public switch
 
         inductor_config.emulate_precision_casts = True
     for name, block in blocks:

@@ -1,4 +1,4 @@
-"""Ranks of a job share inductor's FX-graph cache (torch 2.13; installed by compile.ensure_cache_dir).
+"""Ranks of a job share inductor's FX-graph cache (torch 2.13; opt-in: compile.shared_cache).
 
 Every rank compiles the same transformer block, so one compile could serve them all. Three things
 in torch 2.13 stop that:
@@ -20,7 +20,9 @@ in torch 2.13 stop that:
 3. The ranks compile at the same moment, so all of them miss. A file lock per key lets the first
    rank compile and save while the others wait for it, then load its graph (single flight).
 
-This patches torch internals, so it installs only where the functions are the ones written for.
+This patches torch internals, so it installs only where the functions are the ones written for,
+and only where it was proven: `compile.shared_cache` (auto: CPU ranks on gloo, torch 2.13; CUDA
+runs keep torch's own caching unless set on). `use()` installs or removes it for each job.
 No library provides it. A lock is held only while this process compiles, never across a
 collective. A compile that fails releases it. A rank that has waited WAIT_S compiles itself.
 """
@@ -33,6 +35,8 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import filelock
 
@@ -40,7 +44,6 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 900.0  # longest wait for another rank's compile of the same graph (16 ranks on 2 cores: ~2 min)
 _state = threading.local()  # .held: key -> lock, for the compile running on this thread
-_installed = False
 GROUP_TOKEN = "titan-group:"  # a role as written in keys and saved code: 'titan-group:tp'
 _role_of_name: dict[str, str] = {}  # this process's group name -> role
 _name_of_role: dict[str, str] = {}
@@ -91,7 +94,7 @@ CACHES = {"fxgraph": ("inductor", "fxgraph_cache_"), "aot_autograd": ("aot_autog
 
 def counts(cache: str = "fxgraph") -> dict[str, int]:
     """This process's lookups so far in one of CACHES (torch's counters): hit, miss, bypass."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # private: torch's cache counters have no public reader
 
     group, prefix = CACHES[cache]
     return {k: counters[group][f"{prefix}{k}"] for k in ("hit", "miss", "bypass")}
@@ -120,128 +123,209 @@ def cache_key_part(*parts):
 def _mesh_reduce(mesh, with_groups: bool = False):
     """A DeviceMesh in a key: (device type, dim names, shape), plus its groups' names in an
     AOTAutograd key (that entry keeps a graph with the raw names, see the module doc)."""
+    # private: a mesh's group names, without creating groups (no public accessor)
     groups = tuple(getattr(mesh, "_dim_group_names", ())) if with_groups else ()
     return cache_key_part, (mesh.device_type, mesh.mesh_dim_names, tuple(mesh.mesh.shape), groups)
 
 
 def _lock_path(key: str) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: inductor's cache dir, resolved
 
     folder = os.path.join(cache_dir(), "titan_fxgraph_locks")
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, f"{key}.lock")
 
 
+# --------------------------------------------------------------------------- the patches
+# Each replaces one private torch function (kept in _torch while installed) and calls it.
+
+
+def _aot_pickler() -> type:
+    """AOTAutograd's key pickler, a subclass of inductor's: its keys name the mesh's groups."""
+    # private module: AOTAutograd's cache (no public API to its keys)
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+
+    return AOTAutogradCachePickler
+
+
+def _reduce_script_object_stably(self, t):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(t.real_obj, DeviceMesh):  # instead of pickling the mesh whole (and in memo mode)
+        return _mesh_reduce(t.real_obj, isinstance(self, _aot_pickler()))
+    return _torch["reduce_script_object"](self, t)
+
+
+def _init_with_mesh(self, gm, *args, **kwargs):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _torch["pickler_init"](self, gm, *args, **kwargs)
+    aot = isinstance(self, _aot_pickler())
+    self.dispatch_table[DeviceMesh] = functools.partial(_mesh_reduce, with_groups=aot)  # held by the module
+    if not aot:  # torch registers its reducer (the code, cleaned) for graphs with Triton kernels only
+        self.dispatch_table[type(gm)] = self._reduce_graph_module
+
+
+def _reduce_graph_module_by_role(self, gm):
+    fn, (data, imports) = _torch["reduce_graph_module"](self, gm)
+    data["_code"] = canonical_code(data["_code"]) or data["_code"]
+    return fn, (data, imports)
+
+
+def _load_single_flight(key, *args, **kwargs):
+    load_with_key = _torch["load_with_key"]
+    held = getattr(_state, "held", None)
+    if held is None or key in held:  # outside a compile (AOTAutograd's own lookups): no lock
+        return load_with_key(key, *args, **kwargs)
+    lock = filelock.FileLock(_lock_path(key))
+    try:
+        lock.acquire(timeout=WAIT_S)
+    except filelock.Timeout:
+        log.warning("compile cache: waited %.0f s for another rank's compile; compiling here", WAIT_S)
+        return load_with_key(key, *args, **kwargs)
+    try:
+        graph, info = load_with_key(key, *args, **kwargs)
+    except BaseException:
+        lock.release()
+        raise
+    if graph is None and info.get("cache_state") == "miss":
+        held[key] = lock  # this rank compiles it: the others wait until it is saved
+    else:
+        lock.release()
+    return graph, info
+
+
+def _release(key):
+    lock = getattr(_state, "held", {}).pop(key, None)
+    if lock is not None:
+        lock.release()
+
+
+def _save_by_role_and_release(key, compiled_graph, *args, **kwargs):
+    save_graph = _torch["save_graph"]
+    raw = getattr(compiled_graph, "source_code", None)  # None: not a CompiledFxGraph (torch refuses it)
+    try:
+        if raw is None:
+            return save_graph(key, compiled_graph, *args, **kwargs)
+        saved = canonical_code(raw) if getattr(compiled_graph, "_original_gm", None) is None else None
+        if saved is None:  # a group name outside an op call: the key may be by role, the code not
+            log.warning("compile cache: graph %s names a group outside an op call; not saved", key)
+            return None
+        compiled_graph.source_code = saved  # _save_graph pickles a copy of it
+        return save_graph(key, compiled_graph, *args, **kwargs)
+    finally:
+        if raw is not None:
+            compiled_graph.source_code = raw
+        _release(key)
+
+
+def _deserialize_with_own_groups(self, *args, **kwargs):
+    if GROUP_TOKEN in self.source_code:
+        self.source_code = local_code(self.source_code)
+        # its own module file: ranks of other groups load the same key with other names
+        self.cache_key += hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
+    return _torch["after_deserialization"](self, *args, **kwargs)
+
+
+def _compile_fx_inner_tracking_locks(*args, **kwargs):
+    outer, _state.held = getattr(_state, "held", None), {}
+    try:
+        return _torch["compile_fx_inner"](*args, **kwargs)
+    finally:
+        for lock in _state.held.values():  # a compile that failed never saved: let the others in
+            lock.release()
+        _state.held = outer
+
+
+PATCHES = {  # key of a patched torch attribute (targets()) -> what replaces it
+    "reduce_script_object": _reduce_script_object_stably,
+    "reduce_graph_module": _reduce_graph_module_by_role,
+    "pickler_init": _init_with_mesh,
+    "load_with_key": _load_single_flight,
+    "save_graph": _save_by_role_and_release,
+    "after_deserialization": _deserialize_with_own_groups,
+    "compile_fx_inner": _compile_fx_inner_tracking_locks,
+}
+_torch: dict[str, Callable] = {}  # key -> torch's function, while the patches are installed
+_raw: dict[str, Any] = {}  # key -> the attribute as it was (a staticmethod stays one), to put back
+
+
+def targets() -> dict[str, tuple[Any, str]]:
+    """The private torch attributes the patches replace: key -> (owner, attribute name)."""
+    # private modules: inductor's compile entry point, cache and compiled artifact (no public API)
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.codecache import FxGraphCache, FxGraphCachePickler
+    from torch._inductor.output_code import CompiledFxGraph
+
+    return {
+        # the key pickler's reducer for script objects: where a DeviceMesh is pickled whole
+        "reduce_script_object": (FxGraphCachePickler, "_reduce_fake_script_object"),
+        # its reducer of a GraphModule's code: where group names go into the key
+        "reduce_graph_module": (FxGraphCachePickler, "_reduce_graph_module"),
+        "pickler_init": (FxGraphCachePickler, "__init__"),  # where its dispatch table is filled
+        "load_with_key": (FxGraphCache, "load_with_key"),  # one cache lookup: no public hook around it
+        "save_graph": (FxGraphCache, "_save_graph"),  # one cache save: no public hook around it
+        # saved code into a module: where this rank's group names go back in
+        "after_deserialization": (CompiledFxGraph, "after_deserialization"),
+        # one compile of one graph (lookup, compile, save): where a failed compile's locks are let go
+        "compile_fx_inner": (compile_fx, "_compile_fx_inner"),
+    }
+
+
+def wanted(choice: str, device_type: str) -> bool:
+    """compile.shared_cache resolved for a run on `device_type`: auto is on where the patches
+    were proven (CPU ranks on gloo, torch 2.13), off elsewhere (CUDA: torch's own caching)."""
+    if choice == "auto":
+        return device_type == "cpu"
+    return choice == "on"
+
+
+def active() -> bool:
+    """Whether the patches are installed in this process."""
+    return bool(_torch)
+
+
 def install() -> bool:
     """Patch the pickler of cache keys, the FX-graph cache and the loading of its code
     (idempotent). False if this torch does not have the internals the patches were written for
     (nothing is patched then)."""
-    global _installed
-    if _installed:
+    if _torch:
         return True
-    import torch._inductor.compile_fx as compile_fx
-    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
-    from torch._inductor.codecache import FxGraphCache, FxGraphCachePickler
-    from torch._inductor.output_code import CompiledFxGraph
-    from torch.distributed.device_mesh import DeviceMesh
-
-    needed = (
-        getattr(FxGraphCachePickler, "_reduce_fake_script_object", None),
-        getattr(FxGraphCachePickler, "_reduce_graph_module", None),
-        getattr(FxGraphCache, "load_with_key", None),
-        getattr(FxGraphCache, "_save_graph", None),
-        getattr(compile_fx, "_compile_fx_inner", None),
-        getattr(CompiledFxGraph, "after_deserialization", None),
-    )
-    if not all(callable(f) for f in needed):
+    _aot_pickler()
+    found = targets()
+    if not all(callable(getattr(owner, name, None)) for owner, name in found.values()):
         log.warning("compile cache: this torch lacks the FX-graph cache internals; ranks compile alone")
         return False
-    reduce_script_object, reduce_graph_module, load_with_key, save_graph, compile_fx_inner, deserialize = needed
-
-    def reduce_script_object_stably(self, t):
-        if isinstance(t.real_obj, DeviceMesh):  # instead of pickling the mesh whole (and in memo mode)
-            return _mesh_reduce(t.real_obj, isinstance(self, AOTAutogradCachePickler))
-        return reduce_script_object(self, t)
-
-    init = FxGraphCachePickler.__init__
-
-    @functools.wraps(init)
-    def init_with_mesh(self, gm, *args, **kwargs):
-        init(self, gm, *args, **kwargs)
-        aot = isinstance(self, AOTAutogradCachePickler)
-        self.dispatch_table[DeviceMesh] = functools.partial(_mesh_reduce, with_groups=aot)  # held by the module
-        if not aot:  # torch registers its reducer (the code, cleaned) for graphs with Triton kernels only
-            self.dispatch_table[type(gm)] = self._reduce_graph_module
-
-    def reduce_graph_module_by_role(self, gm):
-        fn, (data, imports) = reduce_graph_module(self, gm)
-        data["_code"] = canonical_code(data["_code"]) or data["_code"]
-        return fn, (data, imports)
-
-    def load_single_flight(key, *args, **kwargs):
-        held = getattr(_state, "held", None)
-        if held is None or key in held:  # outside a compile (AOTAutograd's own lookups): no lock
-            return load_with_key(key, *args, **kwargs)
-        lock = filelock.FileLock(_lock_path(key))
-        try:
-            lock.acquire(timeout=WAIT_S)
-        except filelock.Timeout:
-            log.warning("compile cache: waited %.0f s for another rank's compile; compiling here", WAIT_S)
-            return load_with_key(key, *args, **kwargs)
-        try:
-            graph, info = load_with_key(key, *args, **kwargs)
-        except BaseException:
-            lock.release()
-            raise
-        if graph is None and info.get("cache_state") == "miss":
-            held[key] = lock  # this rank compiles it: the others wait until it is saved
-        else:
-            lock.release()
-        return graph, info
-
-    def release(key):
-        lock = getattr(_state, "held", {}).pop(key, None)
-        if lock is not None:
-            lock.release()
-
-    def save_by_role_and_release(key, compiled_graph, *args, **kwargs):
-        raw = getattr(compiled_graph, "source_code", None)  # None: not a CompiledFxGraph (torch refuses it)
-        try:
-            if raw is None:
-                return save_graph(key, compiled_graph, *args, **kwargs)
-            saved = canonical_code(raw) if getattr(compiled_graph, "_original_gm", None) is None else None
-            if saved is None:  # a group name outside an op call: the key may be by role, the code not
-                log.warning("compile cache: graph %s names a group outside an op call; not saved", key)
-                return None
-            compiled_graph.source_code = saved  # _save_graph pickles a copy of it
-            return save_graph(key, compiled_graph, *args, **kwargs)
-        finally:
-            if raw is not None:
-                compiled_graph.source_code = raw
-            release(key)
-
-    def deserialize_with_own_groups(self, *args, **kwargs):
-        if GROUP_TOKEN in self.source_code:
-            self.source_code = local_code(self.source_code)
-            # its own module file: ranks of other groups load the same key with other names
-            self.cache_key += hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
-        return deserialize(self, *args, **kwargs)
-
-    def compile_fx_inner_tracking_locks(*args, **kwargs):
-        outer, _state.held = getattr(_state, "held", None), {}
-        try:
-            return compile_fx_inner(*args, **kwargs)
-        finally:
-            for lock in _state.held.values():  # a compile that failed never saved: let the others in
-                lock.release()
-            _state.held = outer
-
-    FxGraphCachePickler._reduce_fake_script_object = reduce_script_object_stably
-    FxGraphCachePickler._reduce_graph_module = reduce_graph_module_by_role
-    FxGraphCachePickler.__init__ = init_with_mesh
-    FxGraphCache.load_with_key = staticmethod(load_single_flight)
-    FxGraphCache._save_graph = staticmethod(save_by_role_and_release)
-    CompiledFxGraph.after_deserialization = deserialize_with_own_groups
-    compile_fx._compile_fx_inner = compile_fx_inner_tracking_locks
-    _installed = True
+    for key, (owner, name) in found.items():
+        _raw[key], _torch[key] = vars(owner)[name], getattr(owner, name)
+    for key, (owner, name) in found.items():
+        patch = _named_as(_torch[key], PATCHES[key]) if name == "__init__" else PATCHES[key]
+        setattr(owner, name, staticmethod(patch) if isinstance(_raw[key], staticmethod) else patch)
     return True
+
+
+def _named_as(original: Callable, patch: Callable) -> Callable:
+    """`patch` under `original`'s name and signature (a class's __init__ keeps torch's)."""
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return patch(*args, **kwargs)
+
+    return patched
+
+
+def uninstall() -> None:
+    """Put torch's functions back (idempotent)."""
+    for key, (owner, name) in targets().items():
+        if key in _raw:
+            setattr(owner, name, _raw[key])
+    _torch.clear()
+    _raw.clear()
+
+
+def use(on: bool) -> bool:
+    """Install (on) or remove (off) the patches in this process; whether they are installed."""
+    if on:
+        return install()
+    uninstall()
+    return False

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from core.config import ConfigError, JobConfig
+from core.noise import quiet_library_warnings
 
 # torchao is imported only when Float8 is on (inside the functions below): importing it costs
 # seconds and logs messages (core/noise.py) that a run without Float8 has no reason to show.
@@ -93,6 +94,7 @@ def _cast_input_for_cpu_autocast(module: nn.Module, args: tuple):
 
 def apply_float8(model: nn.Module, cfg: JobConfig, toggles) -> nn.Module:
     """Swap model's eligible nn.Linear modules for torchao Float8Linear, in place."""
+    quiet_library_warnings()  # before torchao's first import in a build: it logs known noise then
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 

@@ -256,8 +256,19 @@ def _finite(losses: list[float]) -> bool:
 def run_preflight(out: Path, real: bool) -> Preflight:
     pf = Preflight(out, real)
     click.echo(f"preflight ({pf.mode} form) in {out}")
-    # 1. one process: the reference losses, and the seed checkpoint every layout loads
-    # (compiled: one process compiles in seconds where four ranks on a few cores take minutes)
+    ref, seed = _single_process(pf)
+    _meta_init(pf)
+    _three_d(pf, ref, seed)
+    _cp_float8_dcp(pf)
+    if not real:
+        pf.skip("NCCL", "no CUDA device here: the proxy runs gloo")
+        pf.skip("Float8 matmuls (sm89+)", "no float8 GPU here: torchao's emulation ran instead")
+    return pf
+
+
+def _single_process(pf: Preflight) -> tuple[dict | None, Path]:
+    """1. One process: the reference losses, and the seed checkpoint every layout loads (compiled:
+    one process compiles in seconds where four ranks on a few cores take minutes)."""
     ref = pf.train(
         "single",
         1,
@@ -269,7 +280,7 @@ def run_preflight(out: Path, real: bool) -> Preflight:
             "--compile.enabled=true",
         ],
     )
-    seed = out / "single" / "checkpoint" / "step-0"
+    seed = pf.out / "single" / "checkpoint" / "step-0"
     if ref is not None:
         pf.verdict(
             "single process + seed checkpoint",
@@ -277,40 +288,50 @@ def run_preflight(out: Path, real: bool) -> Preflight:
             f"losses {ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}",
         )
         pf.verdict("compile (per block)", "compile" in ref["toggles_applied"])
-    # 2. the meta init path on FSDP x TP x PP: per-stage seeds, consistent ranks
+    return ref, seed
+
+
+def _meta_init(pf: Preflight) -> None:
+    """2. The meta init path on FSDP x TP x PP: per-stage seeds, consistent ranks."""
+    feature = "meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)"
     try:
-        report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], out / "meta_init" / "report.json", mode=pf.mode)
+        report = run_init_check(8, [*BASE, *LAYOUT_3D, *META], pf.out / "meta_init" / "report.json", mode=pf.mode)
         problems = check_init(report)
         pf.verdict(
-            "meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)",
-            not problems,
-            "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct",
+            feature, not problems, "; ".join(problems[:3]) or "stages distinct, ranks of a stage agree, shards distinct"
         )
     except RuntimeError as e:
-        pf.verdict("meta-device init (FSDP 2 x TP 2 x PP 2, per-stage seeds)", False, str(e)[-600:])
-    # 3. 3D with Interleaved 1F1B on the meta path, from the seed checkpoint: parity with 1D
+        pf.verdict(feature, False, str(e)[-600:])
+
+
+def _three_d(pf: Preflight, ref: dict | None, seed: Path) -> None:
+    """3. 3D with Interleaved 1F1B on the meta path, from the seed checkpoint: parity with 1D."""
     load_seed = ["--checkpoint.enabled=true", f"--checkpoint.resume_from={seed}", f"--checkpoint.interval={STEPS}"]
     rec = pf.train("3d", 8, [*BASE, *LAYOUT_3D, *META, *load_seed]) if seed.is_dir() else None
-    if rec is not None:
+    if rec is None:
+        return
+    pf.verdict(
+        "FSDP x TP x PP, Interleaved 1F1B",
+        "pp:Interleaved1F1B" in rec["toggles_applied"] and {"fsdp", "tp"} <= set(rec["toggles_applied"]),
+        ", ".join(rec["toggles_applied"]),
+    )
+    if ref is not None:
+        diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=False))
         pf.verdict(
-            "FSDP x TP x PP, Interleaved 1F1B",
-            "pp:Interleaved1F1B" in rec["toggles_applied"] and {"fsdp", "tp"} <= set(rec["toggles_applied"]),
-            ", ".join(rec["toggles_applied"]),
+            "loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
+            len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
+            f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})",
         )
-        if ref is not None:
-            diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=False))
-            pf.verdict(
-                "loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
-                len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
-                f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})",
-            )
-    # 4. CP + TP with Float8 (TP styles), AsyncTP, DCP saves; then a resume
+
+
+def _cp_float8_dcp(pf: Preflight) -> None:
+    """4. CP + TP with Float8 (TP styles), AsyncTP, DCP saves; then a resume."""
     feats = [
         "--parallelism.cp=2",
         "--parallelism.tp=2",
         "--training.local_batch_size=8",
         "--float8.enabled=true",
-        f"--float8.emulate={'false' if real else 'true'}",
+        f"--float8.emulate={'false' if pf.real else 'true'}",
         "--checkpoint.enabled=true",
         "--checkpoint.interval=2",
     ]
@@ -318,7 +339,7 @@ def run_preflight(out: Path, real: bool) -> Preflight:
     # and turns it on; elsewhere the trainer's own hardware check says why it cannot run
     async_tp = ["--compile.enabled=true", "--parallelism.enable_async_tp=true"]
     async_problem = None
-    if real:
+    if pf.real:
         feats += async_tp
     else:
         from core.config import load_config  # local: `run-recipe --help` must not import torch
@@ -326,34 +347,36 @@ def run_preflight(out: Path, real: bool) -> Preflight:
 
         async_problem = hardware_problem(load_config(None, [*BASE, *feats, *async_tp]))
     rec = pf.train("cp_float8", 4, [*BASE, *feats])
-    if rec is not None:
-        applied, skipped = set(rec["toggles_applied"]), rec["toggles_skipped"]
+    if rec is None:
+        return
+    _cp_float8_verdicts(pf, rec, async_problem)
+    again = pf.train("cp_float8", 4, [*BASE, *feats, f"--training.steps={STEPS + 2}"])
+    if again is not None:
         pf.verdict(
-            "context parallel (CP 2 x TP 2)",
-            rec["config"]["parallelism"]["cp"] == 2 and _finite(rec["losses"]),
-            f"losses {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}",
+            "DCP save + load (resume)",
+            again["start_step"] == STEPS and len(again["losses"]) == 2 and _finite(again["losses"]),
+            f"resumed at step {again['start_step']}",
         )
-        pf.verdict("Float8 linears", "float8" in applied, ", ".join(sorted(a for a in applied if "float8" in a)))
-        if async_problem:
-            skipped = {**skipped, "async_tp": async_problem}
-        for name, feature in (("float8_tp", "Float8 TP styles"), ("async_tp", "AsyncTP")):
-            if name in applied:
-                pf.verdict(feature, True)
-            elif name in skipped and not real:
-                pf.skip(feature, skipped[name])
-            else:
-                pf.verdict(feature, False, skipped.get(name, "not applied"))
-        again = pf.train("cp_float8", 4, [*BASE, *feats, f"--training.steps={STEPS + 2}"])
-        if again is not None:
-            pf.verdict(
-                "DCP save + load (resume)",
-                again["start_step"] == STEPS and len(again["losses"]) == 2 and _finite(again["losses"]),
-                f"resumed at step {again['start_step']}",
-            )
-    if not real:
-        pf.skip("NCCL", "no CUDA device here: the proxy runs gloo")
-        pf.skip("Float8 matmuls (sm89+)", "no float8 GPU here: torchao's emulation ran instead")
-    return pf
+
+
+def _cp_float8_verdicts(pf: Preflight, rec: dict, async_problem: str | None) -> None:
+    """What the CP 2 x TP 2 Float8 run applied: CP, Float8 linears, Float8 TP styles, AsyncTP."""
+    applied, skipped = set(rec["toggles_applied"]), rec["toggles_skipped"]
+    pf.verdict(
+        "context parallel (CP 2 x TP 2)",
+        rec["config"]["parallelism"]["cp"] == 2 and _finite(rec["losses"]),
+        f"losses {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}",
+    )
+    pf.verdict("Float8 linears", "float8" in applied, ", ".join(sorted(a for a in applied if "float8" in a)))
+    if async_problem:
+        skipped = {**skipped, "async_tp": async_problem}
+    for name, feature in (("float8_tp", "Float8 TP styles"), ("async_tp", "AsyncTP")):
+        if name in applied:
+            pf.verdict(feature, True)
+        elif name in skipped and not pf.real:
+            pf.skip(feature, skipped[name])
+        else:
+            pf.verdict(feature, False, skipped.get(name, "not applied"))
 
 
 @click.command("preflight")

@@ -34,7 +34,7 @@ def _compile_probe(mode: str, flavor: str, seq_len: int, batch: int, steps: int 
     """(In a fresh process.) Time the first training step, which compiles, and the later ones."""
     model = create_model(flavor, vocab_size=4352, max_seq_len=seq_len, device="cpu")
     if mode == "block":
-        apply_compile(model, Compile(enabled=True), Toggles())
+        apply_compile(model, Compile(enabled=True), Toggles(), "cpu")
     elif mode == "whole":
         model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
