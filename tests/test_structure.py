@@ -159,6 +159,8 @@ def test_no_module_over_500_lines():
 
 
 MAX_FUNCTION_LINES = 80
+
+
 def _long_functions() -> dict[str, int]:
     """`path::name` -> lines (from `def` to its last line, decorators not counted) of every
     function or method in the packages, nested ones included, longer than MAX_FUNCTION_LINES."""
