@@ -166,6 +166,7 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             for stale in stale_tmp_dirs(self.folder):
+                log.info(f"[checkpoint] removed {stale}: a save that never completed (a run stopped mid-save)")
                 shutil.rmtree(stale, ignore_errors=True)
             try:
                 path = resolve(self.folder, c.load_step, c.resume_from)
@@ -188,6 +189,9 @@ class Checkpointer:
         self.loaded_from = Path(path)
         if self.rank == 0:
             log.info(f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s")
+            change = self._layout_change(read_info(Path(path)))
+            if change:
+                log.warning(f"[checkpoint] resharded on load: {change}")
         return True
 
     def _load(self, path: Path) -> int:
@@ -248,6 +252,19 @@ class Checkpointer:
         # on every rank, so rank 0's copy serves any degree
         return "dp_rank_0" if "dataloader.dp_rank_0" in stored else None
 
+    def _global_batch(self) -> int:
+        t, p = self.cfg.training, self.cfg.parallelism
+        return t.local_batch_size * t.grad_accum_steps * p.dp_replicate * p.dp_shard
+
+    def _layout_change(self, info: dict) -> str | None:
+        """What differs from the layout that saved the checkpoint (degrees, global batch), if anything."""
+        theirs, ours = info.get("layout") or {}, self._layout()
+        changed = [f"{k} {theirs[k]} -> {v}" for k, v in ours.items() if k in theirs and theirs[k] != v]
+        batch = info.get("global_batch")
+        if batch is not None and batch != self._global_batch():
+            changed.append(f"global batch {batch} -> {self._global_batch()} sequences per step")
+        return "; ".join(changed) or None
+
     def _layout(self) -> dict:
         p = self.cfg.parallelism
         return {
@@ -287,6 +304,7 @@ class Checkpointer:
             "model_shape": model_shape(args) if args is not None else None,
             "flavor": self.cfg.model.flavor,
             "layout": self._layout(),
+            "global_batch": self._global_batch(),
             "dp_degree": self.dp_degree,
             "torch": torch.__version__,
             "manifest": MANIFEST,  # written with one: a missing one is damage

@@ -27,12 +27,11 @@ from core.checkpoint_folder import (
 )
 from core.config import flatten_keys
 from core.fileio import atomic_write_json
-from core.models.args import ModelArgs
+from core.models.args import ModelArgs, model_shape
 from core.models.hf_convert import load_hf, save_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ModelArgs fields that fix parameter shapes: a checkpoint must agree on all of them.
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
 
 
 # ------------------------------------------------------------------------- DCP's exceptions
@@ -99,10 +98,6 @@ def check_files(path: Path, metadata) -> None:
         have = f.stat().st_size
         if have < size:
             raise CheckpointError(f"{f}: shard truncated ({have} bytes, the metadata needs {size})")
-
-
-def model_shape(args) -> dict:
-    return {k: getattr(args, k) for k in SHAPE_FIELDS}
 
 
 def check_shapes(path: Path, metadata, state: dict, info: dict, args=None) -> None:

@@ -28,7 +28,8 @@ from core.checkpoint import Checkpointer
 from core.checkpoint_folder import CheckpointError
 from core.checkpoint_state import TrainState
 from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
-from core.data.datasets import BadDocumentError, build_dataloader
+from core.data.datasets import build_dataloader
+from core.data.shards import CorpusError
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
 from core.hardware import check_toggle_hardware
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     startup_s["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
         run_jobs(cfgs, startup_s)
-    except (CheckpointError, NonFiniteError, BadDocumentError) as e:
+    except (CheckpointError, NonFiniteError, CorpusError) as e:
         # the project's own failures: raised alike on every rank, said once, in one line
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")
         if dist.get_rank() == 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.config import JobConfig, Parallelism, field_types
+from core.data.shards import CorpusError, check_corpus
 from core.errors import ConfigError
 from core.models.args import FLAVORS, check_shape
 from core.parallel.stages import check_pipeline
@@ -182,10 +183,11 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
             f"tp {p.tp} (sequence parallel inside context parallel)"
         )
     if check_files:
-        if cfg.data.dataset == "c4_offline" and not Path(cfg.data.path).exists():
-            raise ConfigError(
-                f"data.path: {cfg.data.path} does not exist (build it: python -m core.data.assets --corpus)"
-            )
+        if cfg.data.dataset == "c4_offline":
+            try:
+                check_corpus(cfg.data.path)
+            except CorpusError as e:
+                raise ConfigError(str(e)) from None
         if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
             raise ConfigError(
                 f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"

@@ -401,13 +401,24 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
 @click.option(
     "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Where the tables go (default: results/)."
 )
-def results_cmd(records_dir, out_dir):
+@click.option(
+    "--skip-bad-records",
+    is_flag=True,
+    help="Leave out records that do not parse or hold a field of the wrong type (the tables say which); "
+    "without it such a record stops the command before any table is written.",
+)
+def results_cmd(records_dir, out_dir, skip_bad_records):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
     from recipes import results  # pandas + matplotlib: only for the command that writes tables
+    from recipes.table_data import RecordError
 
     records = Path(records_dir) if records_dir else launcher.default_records_dir()
     out = Path(out_dir) if out_dir else launcher.project_root() / "results"
-    for path in results.write_results(records, out):
+    try:
+        written = results.write_results(records, out, skip_bad_records)
+    except RecordError as e:
+        _fail(f"error: {e}; no table was written (fix or remove it, or add --skip-bad-records)", EXIT_CONFIG)
+    for path in written:
         click.echo(str(path))
 
 

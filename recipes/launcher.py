@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.checkpoint_folder import CheckpointError, complete_steps, resolve_source, start_step
+from core.checkpoint_folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
 from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
 from core.fileio import atomic_copy, atomic_write_json
+from core.models.args import model_args, model_shape
 from core.validate import validate
 from recipes.output import stream
 from recipes.schema import Recipe
@@ -261,7 +262,9 @@ def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
 
 
 def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
-    """training.steps must be above the step the run would resume from (ConfigError naming it)."""
+    """What can be checked of the checkpoint the run would resume from, before anything runs
+    (ConfigError naming the key or the file): training.steps above its step; its model shape
+    (titan.json) the run's."""
     steps = checkpoint_steps(cfg, run_dir)
     at = cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else (steps[-1] if steps else 0)
     where = run_dir / cfg.checkpoint.folder
@@ -271,6 +274,30 @@ def check_resume_step(cfg: JobConfig, run_dir: Path) -> None:
         raise ConfigError(
             f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
             f"from ({where}); set training.steps > {at}"
+        )
+    if cfg.checkpoint.enabled:
+        _check_resume_shape(cfg, run_dir)
+
+
+def _check_resume_shape(cfg: JobConfig, run_dir: Path) -> None:
+    try:
+        path = resolve(run_dir / cfg.checkpoint.folder, cfg.checkpoint.load_step, cfg.checkpoint.resume_from)
+    except CheckpointError:
+        return  # the trainer names why, with the checkpoint's files in hand
+    theirs = read_info(path).get("model_shape") if path is not None else None
+    if not theirs:
+        return
+    vocab = None
+    if cfg.data.dataset != "synthetic":
+        from core.data.tokenizer import Tokenizer  # tiktoken: only when a checkpoint is there to check
+
+        vocab = Tokenizer(cfg.tokenizer.path).n_words
+    ours = model_shape(model_args(cfg, vocab))
+    diff = [f"{k} {theirs.get(k)} (checkpoint) != {v} (this run)" for k, v in ours.items() if theirs.get(k) != v]
+    if diff:
+        raise ConfigError(
+            f"model: {path / INFO} is a checkpoint of another model shape: {', '.join(diff)}; "
+            "use another --out, or the run's own model settings"
         )
 
 

@@ -132,7 +132,10 @@ class RowMode:
         local = []
         for row in rows:
             claim_run_dir(locks, row, self.options)
-            row.job = launcher.write_job(row.cfg, row.run_dir)
+            try:
+                row.job = launcher.write_job(row.cfg, row.run_dir)
+            except OSError as e:  # a disk that filled since: nothing was spawned for this row
+                raise RowRefused(f"error: {row.recipe.id}: cannot write {e.filename}: {e.strerror or e}") from None
             if not self.run_elsewhere(row):
                 local.append(row)
         return run_local_rows(local, self) if local else []
@@ -318,18 +321,21 @@ def run_local_rows(rows: list[Row], mode: RowMode) -> list[str]:
 
 # -------------------------------------------------------------------------------- run folders
 def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) -> None:
-    """Make the row's run folder (if not yet), own it until `locks` closes, and check the step it
-    would resume from (RowRefused naming the holder or the key)."""
+    """Make the row's run folder (if not yet), own it until `locks` closes, and check the
+    checkpoint it would resume from (RowRefused naming the holder, the key or the path)."""
     if row.run_dir is not None:
         return
-    row.run_dir = launcher.make_run_dir(row.recipe, options.out, options.several)
     try:
+        row.run_dir = launcher.make_run_dir(row.recipe, options.out, options.several)
         locks.enter_context(launcher.run_dir_lock(row.run_dir))
         launcher.check_resume_step(row.cfg, row.run_dir)
     except launcher.RunDirBusy as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:
         raise RowRefused(f"config error: {row.recipe.id}: {e}") from None
+    except OSError as e:  # a read-only file system, no permission, a file in the way
+        where = e.filename or options.out or "the run folder"
+        raise RowRefused(f"error: {row.recipe.id}: cannot write the run folder {where}: {e.strerror or e}") from None
 
 
 def claim_existing_run_dirs(locks: contextlib.ExitStack, rows: list[Row], options: RunOptions) -> None:

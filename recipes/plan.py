@@ -181,6 +181,8 @@ def _by_speed(ranked: list[Candidate], gpu: str | None) -> list[Candidate]:
     from core.dryrun.gpuspec import DEFAULT_GPU
     from core.dryrun.runtime import predict
 
+    if not ranked:
+        return []
     for c in ranked:
         c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
     # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
@@ -300,8 +302,7 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
         raise click.BadParameter(str(e), param_hint="--gpu") from None
     if gpu_mem is None:
         gpu_mem = spec.hbm_capacity_gib if gpu else 80.0
-    if gpus < 1 or seq < 2 or gpu_mem <= 0 or any(b is not None and b < 1 for b in (local_batch, global_batch)):
-        raise click.BadParameter("--gpus, --seq, --gpu-mem and the batch sizes must be positive")
+    _check_plan_inputs(model, gpus, seq, gpu_mem, local_batch, global_batch)
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
     ranked = candidates(
@@ -335,6 +336,26 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
     )
     for line in _against_the_paper(ranked, model, gpus, seq):
         click.echo(line)
+
+
+def _check_plan_inputs(model: str, gpus: int, seq: int, gpu_mem: float, local_batch, global_batch) -> None:
+    """Each bound as it is, named by its option (click.BadParameter)."""
+    from core.models.llama3 import FLAVORS
+
+    if gpus < 1:
+        raise click.BadParameter(f"{gpus}: at least 1 GPU", param_hint="--gpus")
+    if seq < 2:
+        raise click.BadParameter(f"{seq}: at least 2 tokens (a token and the next one it predicts)", param_hint="--seq")
+    context = FLAVORS[model].max_seq_len
+    if seq > context:
+        raise click.BadParameter(
+            f"{seq:,} tokens is beyond Llama 3.1 {model}'s context length of {context:,}", param_hint="--seq"
+        )
+    if gpu_mem <= 0:
+        raise click.BadParameter(f"{gpu_mem:g}: GiB per GPU must be above 0", param_hint="--gpu-mem")
+    for name, b in (("--local-batch", local_batch), ("--global-batch", global_batch)):
+        if b is not None and b < 1:
+            raise click.BadParameter(f"{b}: at least 1 sequence", param_hint=name)
 
 
 def _ranked_json(ranked: list[Candidate], gpu: str) -> str:

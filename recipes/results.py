@@ -192,24 +192,27 @@ def prose() -> dict:
     return tomllib.loads((resources.files("recipes") / "results_readme.toml").read_text(encoding="utf-8"))
 
 
-def write_results(records_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write every table (.md + .csv) and README.md into out_dir. Returns the files written."""
-    records = load_records(records_dir)
+def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records: bool = False) -> list[Path]:
+    """Write every table (.md + .csv) and README.md into out_dir. Returns the files written.
+    A bad record raises RecordError before anything is written; with `skip_bad_records` it is
+    left out, and the tables and README say which and why."""
+    skipped: list[str] | None = [] if skip_bad_records else None
+    records = load_records(records_dir, skipped)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = registry.table_info()
     written: list[Path] = []
     index = []
     for table in TABLES:
-        entry, files = _write_table(table, info.get(table, {}), records, out)
+        entry, files = _write_table(table, info.get(table, {}), records, out, skipped or [])
         written += files
         index.append(entry)
-    atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written)))
+    atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written), skipped or []))
     written.append(out / "README.md")
     return written
 
 
-def _write_table(table: str, meta: dict, records: dict, out: Path) -> tuple[tuple, list[Path]]:
+def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list[str]) -> tuple[tuple, list[Path]]:
     """<table>.md, its CSV and figure; returns (its README index entry, the files written)."""
     recipes = registry.by_table(table)
     df = table_frame(table, records, recipes)
@@ -231,6 +234,9 @@ def _write_table(table: str, meta: dict, records: dict, out: Path) -> tuple[tupl
             written.append(png)
         md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
     md += [prose()["table_footer"].format(n_ours=n_ours, n_rows=len(df), csv=csv_name), ""]
+    mine = [why for why in skipped if Path(why.split(":", 1)[0]).stem in {r.fname for r in recipes}]
+    if mine:
+        md += [prose()["skipped_records"], "", *(f"- {why}" for why in mine), ""]
     if table == "loss_convergence":
         # the curves, their plot and check: from the same records
         ids = {r.id for r in recipes}
@@ -242,7 +248,9 @@ def _write_table(table: str, meta: dict, records: dict, out: Path) -> tuple[tupl
     return (table, title, len(df), n_ours, csv_name, fig), written
 
 
-def _readme(records: dict, records_dir: Path, out: Path, index: list[tuple], written: set[Path]) -> str:
+def _readme(
+    records: dict, records_dir: Path, out: Path, index: list[tuple], written: set[Path], skipped: list[str]
+) -> str:
     """results/README.md: the tables' index, the other results files, how each number was made,
     and the records used."""
     text = prose()
@@ -264,6 +272,8 @@ def _readme(records: dict, records_dir: Path, out: Path, index: list[tuple], wri
         lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
     lines += ["", text["how"], "## Records used", ""]
     lines.append(_records_table(records) if records else text["no_records"])
+    if skipped:
+        lines += ["", "## Records skipped", "", text["skipped_records"], "", *(f"- {why}" for why in skipped)]
     return "\n".join(lines) + "\n"
 
 

@@ -19,18 +19,71 @@ OURS_MODES = ("real", "proxy")  # the "ours" columns take the real record if any
 
 
 # ----------------------------------------------------------------------------------- records
-def load_records(records_dir: str | Path) -> dict[tuple[str, str], dict]:
-    """{(recipe id, mode): record} from <records_dir>/<mode>/*.json."""
+# The fields the tables read, each with the types a record may give it (absent is fine: a mode
+# records what it measures). A number is int or float; None is an empty cell.
+NUMBER = (int, float)
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "recipe": (str,),
+    "mode": (str,),
+    "tokens_per_sec_per_device": (*NUMBER, type(None)),
+    "mfu": (*NUMBER, type(None)),
+    "peak_memory_gib": (*NUMBER, type(None)),
+    "estimated_peak_gib": (*NUMBER, type(None)),
+    "estimated_peak_memory_gib": (*NUMBER, type(None)),
+    "pp_bubble_fraction": (*NUMBER, type(None)),
+    "wall_s": (*NUMBER, type(None)),
+    "steps": (int,),
+    "losses": (list,),
+    "toggles_applied": (list,),
+    "toggles_skipped": (dict,),
+    "hardware": (dict,),
+    "versions": (dict,),
+    "predicted": (dict,),
+    "timings_s": (dict,),
+    "finished_at": (str,),
+}
+
+
+class RecordError(ValueError):
+    """A record the tables cannot use: the message names the file and the field."""
+
+
+def check_record(path: Path) -> dict:
+    """The record at `path`, parsed and its fields' types checked (RecordError otherwise)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(f"{path}: cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(rec, dict):
+        raise RecordError(f"{path}: a record is a JSON object, this is a {type(rec).__name__}")
+    for field, types in RECORD_FIELDS.items():
+        value = rec.get(field)
+        if field in rec and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            want = " or ".join(
+                sorted({"number" if t in NUMBER else "null" if t is type(None) else t.__name__ for t in types})
+            )
+            raise RecordError(f"{path}: field {field!r} is {type(value).__name__} {value!r:.40}, expected {want}")
+    if any(not isinstance(x, NUMBER) or isinstance(x, bool) for x in rec.get("losses") or []):
+        raise RecordError(f"{path}: field 'losses' holds a value that is not a number")
+    return rec
+
+
+def load_records(records_dir: str | Path, skipped: list[str] | None = None) -> dict[tuple[str, str], dict]:
+    """{(recipe id, mode): record} from <records_dir>/<mode>/*.json. A bad record raises
+    RecordError; given a `skipped` list, it is left out and its reason appended there instead."""
     out: dict[tuple[str, str], dict] = {}
     root = Path(records_dir)
     if not root.is_dir():
         return out
     for path in sorted(root.glob("*/*.json")):
         try:
-            rec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(rec, dict):
+            rec = check_record(path)
+        except RecordError as e:
+            if skipped is None:
+                raise
+            skipped.append(str(e))
             continue
         mode = rec.get("mode") or path.parent.name
         rid = rec.get("recipe") or path.stem.replace("__", "/")

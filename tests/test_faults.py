@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import filesystem
 from core.checkpoint_files import load_model_weights
 from core.checkpoint_folder import CheckpointError, complete_steps
 from core.config import ConfigError, load_config
-from core.data.datasets import BadDocumentError
+from core.data.documents import BadDocumentError
 from core.train import NonFiniteError, run
 from core.validate import validate
 from recipes import launcher

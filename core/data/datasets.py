@@ -14,41 +14,33 @@ its slice of every global batch as `(inputs[B, S], labels[B, S])` int64 tensors.
 
 from __future__ import annotations
 
-import copy
-import gzip
-import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
+from core.data.documents import BadDocumentError, DocumentSource, HFDocuments, JsonLinesDocuments, find_bad_line
 from core.data.sharding import SHARDINGS, check_resume_state, data_sharding, sharding_state, split_by_rank
-from core.data.store import c4_offline_path
+from core.data.shards import CORPUS_SETUP, CorpusError, c4_shards
 from core.data.synthetic import SyntheticDocuments, synthetic_document
 from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "DATASETS",
-    "BadDocumentError",
     "DatasetSpec",
     "DatasetUnavailableError",
-    "DocumentSource",
-    "HFDocuments",
-    "JsonLinesDocuments",
     "SyntheticDocuments",
     "TokenWindowLoader",
     "build_dataloader",
     "build_tokenizer",
     "check_hub_reachable",
     "data_sharding",
-    "find_bad_line",
     "open_documents",
     "synthetic_document",
 ]
@@ -58,138 +50,11 @@ logger = logging.getLogger(__name__)
 C4_REPO = "allenai/c4"
 HUB_DEFAULT_ENDPOINT = "https://huggingface.co"
 HUB_CONNECT_TIMEOUT_S = 3.0
-_CORPUS_SETUP = "python -m core.data.assets --corpus"
-_OFFLINE_HINT = f'set `data.dataset = "c4_offline"` (after `{_CORPUS_SETUP}`)'
+_OFFLINE_HINT = f'set `data.dataset = "c4_offline"` (after `{CORPUS_SETUP}`)'
 
 
 class DatasetUnavailableError(RuntimeError):
     """A dataset cannot be read here; the message says what to use or run instead."""
-
-
-# --------------------------------------------------------------------------------------------
-# document sources
-# --------------------------------------------------------------------------------------------
-class DocumentSource(Protocol):
-    """An ordered stream of document texts that can be restarted and resumed."""
-
-    def open(self, position: dict | None) -> None:
-        """Start iterating: from the beginning if `position` is None, else from a position()."""
-
-    def next_text(self) -> str:
-        """The next document's text; StopIteration at the end of the data."""
-
-    def position(self) -> dict:
-        """Where the stream stands, right after the last document returned."""
-
-
-class BadDocumentError(ValueError):
-    """A malformed corpus line; the message names the file and the line."""
-
-
-def _parse_line(raw: bytes, text_field: str) -> str:
-    doc = json.loads(raw)
-    if not isinstance(doc, dict) or not isinstance(doc.get(text_field), str):
-        raise TypeError(f"not a JSON object with a string {text_field!r}")
-    return doc[text_field]
-
-
-def find_bad_line(files: list[str], text_field: str = "text") -> str | None:
-    """'file:line: what' of the first malformed line of JSON-lines (gzip) files, or None."""
-    for name in files:
-        try:
-            with gzip.open(name, "rb") as f:
-                for n, raw in enumerate(f, 1):
-                    try:
-                        _parse_line(raw, text_field)
-                    except (ValueError, TypeError) as e:
-                        return f"{name}:{n}: malformed document ({e})"
-        except (OSError, EOFError) as e:
-            return f"{name}: unreadable ({type(e).__name__}: {e})"
-    return None
-
-
-class JsonLinesDocuments:
-    """The documents of local JSON-lines shards (gzip), in file then line order (the order the
-    `datasets` JSON reader gives), skipping malformed lines and keeping their 'file:line'.
-    Used when data.skip_bad_documents is on. Position: {"file": index, "line": lines read}."""
-
-    def __init__(self, files: list[str], text_field: str = "text"):
-        self.files, self.text_field = files, text_field
-        self.bad: list[str] = []  # 'file:line' of the skipped lines
-        self._file, self._line, self._f = 0, 0, None
-
-    def open(self, position: dict | None) -> None:
-        if self._f is not None:
-            self._f.close()
-        self._file, self._line = (position["file"], position["line"]) if position else (0, 0)
-        self._f = None
-
-    def next_text(self) -> str:
-        while True:
-            if self._f is None:
-                if self._file >= len(self.files):
-                    raise StopIteration
-                self._f = gzip.open(self.files[self._file], "rb")  # noqa: SIM115 - kept open across calls
-                for _ in range(self._line):
-                    self._f.readline()
-            raw = self._f.readline()
-            if not raw:
-                self._f.close()
-                self._f, self._file, self._line = None, self._file + 1, 0
-                continue
-            self._line += 1
-            try:
-                return _parse_line(raw, self.text_field)
-            except (ValueError, TypeError) as e:
-                where = f"{self.files[self._file]}:{self._line}"
-                if where not in self.bad:
-                    self.bad.append(where)
-                    logger.warning("%s: malformed document skipped (%s)", where, e)
-
-    def position(self) -> dict:
-        return {"file": self._file, "line": self._line}
-
-
-class HFDocuments:
-    """Documents of a Hugging Face streaming `IterableDataset`.
-
-    Resume uses the dataset's own `state_dict()` (shard index + offset), so a resumed C4 run
-    does not re-read the shards it has already consumed. `files`: the local shards it reads, if
-    any; a read error is then reported as the malformed line that caused it.
-    """
-
-    def __init__(self, dataset: Any, text_field: str = "text", files: list[str] | None = None):
-        self.dataset = dataset
-        self.text_field = text_field
-        self.files = files
-        # `load_state_dict` is applied again at every `iter()`, so every epoch starts from an
-        # explicit state: this one for "from the beginning".
-        self._start = dataset.state_dict()
-        self._it: Iterator[dict] | None = None
-
-    def open(self, position: dict | None) -> None:
-        self.dataset.load_state_dict(position if position is not None else self._start)
-        self._it = iter(self.dataset)
-
-    def next_text(self) -> str:
-        assert self._it is not None, "open() first"
-        try:
-            text = next(self._it).get(self.text_field)
-            if not isinstance(text, str):  # a line without the field: the merged schema gives None
-                raise TypeError(f"no string {self.text_field!r}")
-            return text
-        except StopIteration:
-            raise
-        except Exception as e:  # pyarrow / datasets errors name no line
-            where = find_bad_line(self.files, self.text_field) if self.files else None
-            if where is None:
-                raise
-            raise BadDocumentError(
-                f"{where}; fix or remove it, or set data.skip_bad_documents=true (the reader said {type(e).__name__})"
-            ) from None
-
-    def position(self) -> dict:
-        return copy.deepcopy(self.dataset.state_dict() if self._it is not None else self._start)
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,25 +109,21 @@ def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> Doc
 
 
 def _c4_offline_files(path: str | None, split: str) -> list[str]:
-    root = Path(path) if path else c4_offline_path()
-    en = root / "en" if (root / "en").is_dir() else root
-    files = sorted(en.glob(f"c4-{split}.*.json.gz"))
-    if not files:
-        what = "does not exist" if not en.exists() else f"has no c4-{split}.*.json.gz shards"
-        raise FileNotFoundError(
-            f"Offline C4-layout corpus not found: {en} {what}. Dataset 'c4_offline' reads shards built "
-            f"by `{_CORPUS_SETUP}` (into assets/c4_offline/en/); run it, or point data.dataset_path "
-            f"at a folder holding c4-{split}.*.json.gz files."
-        )
-    return [str(f) for f in files]
+    return [str(f) for f in c4_shards(path, split)]
 
 
 def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     files = _c4_offline_files(path, split)
     from datasets import load_dataset  # local: import cost, as above
 
-    ds = load_dataset("json", data_files=files, split="train", streaming=True)
-    return HFDocuments(split_by_rank(ds, rank, world), files=files)
+    try:  # the JSON reader opens the first shard for its columns here: a bad one must be named
+        ds = load_dataset("json", data_files=files, split="train", streaming=True)
+        return HFDocuments(split_by_rank(ds, rank, world), files=files)
+    except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise many kinds; the file is named below
+        where = find_bad_line(files)
+        if where is None:
+            raise CorpusError(f"data.path: {files[0]} ...: the JSON reader failed ({type(e).__name__}: {e})") from None
+        raise BadDocumentError(f"{where}; fix or remove it, or set data.skip_bad_documents=true") from None
 
 
 def _open_synthetic(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
@@ -280,7 +141,7 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {
     "c4": DatasetSpec("c4", f"{C4_REPO} 'en', streamed from the Hugging Face hub (the paper's data)", _open_c4),
     "c4_offline": DatasetSpec(
-        "c4_offline", f"local json.gz shards in C4's layout (built by `{_CORPUS_SETUP}`)", _open_c4_offline
+        "c4_offline", f"local json.gz shards in C4's layout (built by `{CORPUS_SETUP}`)", _open_c4_offline
     ),
     "synthetic": DatasetSpec("synthetic", "deterministic learnable documents made in code (tests)", _open_synthetic),
 }
@@ -331,7 +192,9 @@ class TokenWindowLoader:
         split: str = "train",
         infinite: bool = True,
         sharding: str = "global",
+        source: DocumentSource | None = None,
     ):
+        """`source`: the documents to read, when not the dataset's own reader (skip_bad_documents)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
         if seq_len < 1 or local_batch_size < 1:
@@ -356,7 +219,9 @@ class TokenWindowLoader:
         self.sharding = sharding
         per_rank = sharding == "per_rank"
         # errors surface here, at once
-        self._source = open_documents(dataset, path, split, dp_rank if per_rank else 0, dp_degree if per_rank else 1)
+        self._source = source or open_documents(
+            dataset, path, split, dp_rank if per_rank else 0, dp_degree if per_rank else 1
+        )
         self._opened = False
         self._resume: dict | None = None
         self._epoch = 0
@@ -466,6 +331,18 @@ def build_dataloader(
     dataset = data.dataset
     # data.path is the local corpus of "c4_offline"; "c4" always streams allenai/c4 from the hub
     path = (getattr(data, "path", None) or None) if dataset == "c4_offline" else None
+    sharding = data_sharding(cfg)
+    source = None
+    if dataset == "c4_offline" and getattr(data, "skip_bad_documents", False):
+        files = _c4_offline_files(path, split)
+        if sharding == "per_rank" and dp_degree > 1:  # this rank's shards only
+            if len(files) % dp_degree:
+                raise ValueError(
+                    f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
+                    f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')"
+                )
+            files = files[dp_rank::dp_degree]
+        source = JsonLinesDocuments(files)  # the JSON reader's order, skipping what it cannot read
     loader = TokenWindowLoader(
         dataset,
         path=path,
@@ -476,18 +353,9 @@ def build_dataloader(
         dp_degree=dp_degree,
         split=split,
         infinite=getattr(training, "dataset_infinite", True),
-        sharding=data_sharding(cfg),
+        sharding=sharding,
+        source=source,
     )
-    if dataset == "c4_offline" and getattr(data, "skip_bad_documents", False):
-        files = _c4_offline_files(path, split)
-        if loader.sharding == "per_rank" and dp_degree > 1:  # this rank's shards only
-            if len(files) % dp_degree:
-                raise ValueError(
-                    f"data.skip_bad_documents with per-rank sharding needs the {len(files)} shards "
-                    f"to divide by the DP degree {dp_degree} (or data.sharding = 'global')"
-                )
-            files = files[dp_rank::dp_degree]
-        loader._source = JsonLinesDocuments(files)  # same order, skips bad lines
     if vocab_size is not None and loader.tokenizer.n_words > vocab_size:
         raise ValueError(f"the tokenizer has {loader.tokenizer.n_words} ids but the model's vocabulary is {vocab_size}")
     return loader

@@ -204,6 +204,14 @@ def model_args(cfg: JobConfig, vocab_size: int | None) -> ModelArgs:
     return args
 
 
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
+
+
+def model_shape(args: ModelArgs) -> dict:
+    """What a checkpoint's weights need to match (titan.json's `model_shape`)."""
+    return {k: getattr(args, k) for k in SHAPE_FIELDS}
+
+
 def shape_record(args: ModelArgs) -> dict:
     """The resolved shape and analytic parameter count, as a result record carries them."""
     return {
