@@ -35,6 +35,8 @@ BAD_TEXT_SETS = [  # (--set text, the key the message names)
     ('model.flavor="tiny"\n[training]\nsteps=100000', "model.flavor"),
     ('job.name="a\tb"', "job.name"),
     ('job.name="a\u200bb"', "job.name"),
+    ('job.name="a\u2028b"', "job.name"),
+    ('job.name="a\x00b"', "job.name"),
     ('model.fl\u200bavor="tiny"', "U+200B"),
     ("training.steps=" + "9" * 10_000, "training.steps"),
     ("training.steps=99999999999999999999", "training.steps"),
