@@ -47,11 +47,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * (n - n_emb) + 12 * args.n_layers * args.n_heads * head_dim * seq_len
 
 
-def cuda_peak_flops(name: str) -> float:
+def cuda_peak_flops(name: str) -> float | None:
+    """The vendor's dense bf16 peak of a GPU this table knows; None for any other (an H800, H20,
+    L40S ...: MFU then needs metrics.peak_flops, never a guess)."""
     for key in ("H100 NVL", "H100 PCIe", "H100", "H200", "A100", "B200", "MI300X"):
         if key in name:
             return PEAK_FLOPS["H100 SXM" if key == "H100" else key]
-    return 0.0
+    return None
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, max_n: int = 2048, repeats: int = 5) -> float:
@@ -91,7 +93,9 @@ def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> flo
 def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        return {"device": name, "peak_flops": cuda_peak_flops(name), "peak_source": "vendor bf16 dense"}
+        peak = cuda_peak_flops(name)
+        source = "vendor bf16 dense" if peak else "unknown GPU: no MFU without metrics.peak_flops"
+        return {"device": name, "peak_flops": peak, "peak_source": source}
     return {
         "device": f"cpu ({cpu_model()}, {os.cpu_count()} cores)",
         "peak_flops": None,
@@ -211,7 +215,7 @@ class StepLog:
         cfg,
         tokens_per_device: float,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         first_step: int,
     ):
         self.cfg, self.tokens_per_device = cfg, tokens_per_device
@@ -240,7 +244,7 @@ class StepLog:
                     "step_time_s": dt,
                     "data_time_s": data_dt,
                     "tokens_per_sec_per_device": tps,
-                    "mfu": self.flops_per_token * tps / self.peak_flops,
+                    "mfu": self.flops_per_token * tps / self.peak_flops if self.peak_flops else None,
                     "memory_gib": peak_memory_gib(),
                 },
             )

@@ -100,7 +100,7 @@ class TrainOutcome:
     wall_s: float
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float
+    peak_flops: float | None  # None: a GPU without a known peak and no metrics.peak_flops (no MFU)
     peak_memory_gib_per_rank: list[float]  # steady state: the CUDA peak is reset after step 1
     first_step_peak_memory_gib_per_rank: list[float | None]
     param_bytes_per_rank: list[int]
@@ -119,7 +119,7 @@ def _throughput(o: TrainOutcome) -> dict:
         "tokens_per_sec_per_device": tps,
         "flops_per_token": o.flops_per_token,
         "tflops_per_device": o.flops_per_token * tps / 1e12,
-        "mfu": o.flops_per_token * tps / o.peak_flops,
+        "mfu": o.flops_per_token * tps / o.peak_flops if o.peak_flops else None,
         "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
     }
 

@@ -32,7 +32,7 @@ from core.data.datasets import build_dataloader
 from core.data.shards import CorpusError
 from core.data.tokenizer import Tokenizer
 from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
-from core.hardware import check_toggle_hardware
+from core.hardware import check_real_devices, check_toggle_hardware
 from core.lazy_imports import import_for
 from core.logs import get_logger
 from core.metrics import (
@@ -51,6 +51,7 @@ from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.process import exit_process, process_age_s
 from core.result import TrainOutcome, local_state_bytes, pp_record, result_record, write_result
+from core.run_lock import RUN_LOCK_ENV, RunDirBusy, run_dir_lock
 from core.step import TrainStep, pipeline_loss
 from core.step_hooks import GCAtSteps, StepProfiler
 from core.toggles import compile_cache
@@ -357,14 +358,15 @@ class Trainer:
         return t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
 
     @functools.cached_property
-    def peak_flops(self) -> float:
-        """The MFU denominator: metrics.peak_flops, the device's vendor figure, or a measured CPU peak."""
+    def peak_flops(self) -> float | None:
+        """The MFU denominator: metrics.peak_flops, the GPU's vendor figure, or on a CPU a measured
+        peak. A GPU the vendor table does not know gets None (no MFU), never a CPU's figure."""
         t = self.cfg.training
-        return (
-            self.cfg.metrics.peak_flops
-            or device_info()["peak_flops"]
-            or cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
-        )
+        if self.cfg.metrics.peak_flops:
+            return self.cfg.metrics.peak_flops
+        if self.device.type == "cuda":
+            return device_info()["peak_flops"]
+        return cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
 
 
 def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
@@ -414,6 +416,7 @@ def validated_jobs(argv: list[str] | None) -> list[JobConfig]:
     cfgs = [validate(cfg, world) for cfg in parse_jobs(argv)]
     for cfg in cfgs:
         check_toggle_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
+        check_real_devices(cfg)  # real mode: CUDA and a GPU per local rank, on every node
     if any(cfg.comm != cfgs[0].comm for cfg in cfgs):
         raise ConfigError("comm: jobs launched together share one process group: their [comm] must match")
     if "RANK" not in os.environ and cfgs[0].parallelism.world_size > 1:
@@ -445,11 +448,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"config error: {e}")
         return 2
     cfg = cfgs[0]
+    if any(c.job.deterministic for c in cfgs):
+        # cuBLAS's deterministic mode needs its workspace fixed before its first handle exists
+        # (torch.use_deterministic_algorithms raises at the first matmul without it)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     t0 = time.perf_counter()
     init_distributed(cfg)
     startup_s["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
-        run_jobs(cfgs, startup_s)
+        with contextlib.ExitStack() as owned:
+            if os.environ.get(RUN_LOCK_ENV) == "1" and dist.get_rank() == 0:  # a SLURM job owns its folders
+                for c in cfgs:
+                    owned.enter_context(run_dir_lock(Path(c.job.output_dir)))
+            run_jobs(cfgs, startup_s)
+    except RunDirBusy as e:  # another run holds a folder: nothing of this job ran
+        log.error(f"error: {e}")
+        return 2
     except (CheckpointError, NonFiniteError, CorpusError) as e:
         # the project's own failures: raised alike on every rank, said once, in one line
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")

@@ -23,10 +23,11 @@ from typing import ClassVar
 
 import click
 
+from core import run_lock
 from core.config import ConfigError, JobConfig
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode
-from recipes.cluster_env import CUDA_ALLOC_CONF
+from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
 from recipes.output import Stopped, failure_cause, stream
 from recipes.schema import Recipe
 
@@ -183,6 +184,13 @@ class RealMode(RowMode):
                 f"but is not a multiple of {r.gpus_per_node} GPUs per node"
             )
         if row.nnodes > 1 or self.options.slurm:
+            where = node_local_reason(Path(self.options.out or launcher.default_runs_dir()))
+            if where:
+                click.echo(
+                    f"warning: {r.id}: --out: {where}: every node must read job.json and write there; "
+                    "use a folder on the cluster's shared file system",
+                    err=True,
+                )
             return
         report = hardware_check.check_node(r, row.cfg)
         if not report.ok:
@@ -201,7 +209,9 @@ class RealMode(RowMode):
             raise RowRefused(f"config error: {r.id}: {e}") from None
 
     def env(self, world: int, **set_vars: str) -> dict[str, str]:
-        return launcher.base_env(defaults={"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}, **set_vars)
+        # a node-local compile cache, as the sbatch script's: the checkout is often on a shared file system
+        defaults = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF, "TORCHINDUCTOR_CACHE_DIR": node_local_cache_dir()}
+        return launcher.base_env(defaults=defaults, **set_vars)
 
     def run_elsewhere(self, row: Row) -> bool:
         if not (self.options.slurm or row.nnodes > 1):
@@ -327,9 +337,9 @@ def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) ->
         return
     try:
         row.run_dir = launcher.make_run_dir(row.recipe, options.out, options.several)
-        locks.enter_context(launcher.run_dir_lock(row.run_dir))
+        locks.enter_context(run_lock.run_dir_lock(row.run_dir))
         launcher.check_resume_step(row.cfg, row.run_dir)
-    except launcher.RunDirBusy as e:
+    except run_lock.RunDirBusy as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:
         raise RowRefused(f"config error: {row.recipe.id}: {e}") from None
@@ -375,7 +385,7 @@ def launch_trainer(
     target = launcher.trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode.name}"])
     cmd = launcher.torchrun_command(world, target, max_restarts=max_restarts, forked=mode.forks_ranks)
     log = out_dir / "train.log"
-    with launcher.run_dir_lock(out_dir):
+    with run_lock.run_dir_lock(out_dir):
         rc = launcher.run_logged(cmd, mode.env(world), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():

@@ -4,9 +4,11 @@ SLURM sbatch script (its environment lines: recipes/cluster_env.py)."""
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 from core.config import JobConfig
+from core.run_lock import RUN_LOCK_ENV
 from recipes.cluster_env import sbatch_env_lines
 from recipes.launcher import project_root, torchrun_command, torchrun_exe, trainer_target
 from recipes.schema import Recipe
@@ -27,6 +29,23 @@ def multinode_command(
         exe="torchrun",
     )
     return " ".join(cmd)
+
+
+SRUN_WAIT_S = 60  # seconds srun waits for the other tasks after the first one ends
+
+
+def python_env_lines() -> list[str]:
+    """The job states the Python environment it runs (this one's interpreter) and stops before srun
+    when that environment's torch has no CUDA (a CPU build would train on the nodes' CPUs)."""
+    py = shlex.quote(sys.executable)
+    show = shlex.quote('import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)')
+    check = shlex.quote("import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)")
+    return [
+        f"# Python environment: {sys.prefix} ({sys.executable})",
+        f'echo "run-recipe: Python environment {sys.prefix}: $({py} -c {show})"',
+        f'{py} -c {check} || {{ echo "run-recipe: the torch of {sys.prefix} has no CUDA on $(hostname) '
+        '(a CPU build, or no GPU): not starting" >&2; exit 3; }',
+    ]
 
 
 def sbatch_script(
@@ -67,13 +86,17 @@ def sbatch_script(
         "set -euo pipefail",
         f"cd {q(str(project_root()))}",
         f"export PYTHONPATH={q(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        *python_env_lines(),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         *sbatch_env_lines(nproc),
+        f"export {RUN_LOCK_ENV}=1  # rank 0 owns the run folder while the job runs",
         # one task per node runs torchrun and its ranks: give it every core of the node (srun does
-        # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument
+        # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument.
+        # --kill-on-bad-exit: one node's torchrun dying ends the job (the others would wait in the
+        # rendezvous, which no watchdog covers); --wait: the rest end within a minute of the first.
         (
             f'srun --nodes={nnodes} --ntasks-per-node=1 --cpus-per-task="$cpus_per_node" --cpu-bind=none '
-            f"{' '.join(exe)} \\"
+            f"--kill-on-bad-exit=1 --wait={SRUN_WAIT_S} {' '.join(exe)} \\"
         ),
         f"    {' '.join(dims)} \\",
         f"    {' '.join(rdzv)} \\",

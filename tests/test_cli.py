@@ -205,9 +205,13 @@ def test_launch_command_and_env(monkeypatch):
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(launcher.usable_cpus()) == str(len(os.sched_getaffinity(0)))
     assert "OMP_NUM_THREADS" not in modes.PROXY.env(1)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert modes.RealMode().env(8)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()
+    assert modes.PROXY.env(2)["TORCHINDUCTOR_CACHE_DIR"] == launcher.inductor_cache_dir()  # the checkout's
+    # a real run compiles into a node-local cache, as the sbatch script's (the checkout is often NFS)
+    monkeypatch.setenv("TMPDIR", "/scratch/local")
+    assert modes.RealMode().env(8)["TORCHINDUCTOR_CACHE_DIR"].startswith("/scratch/local/titan_inductor_")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
     assert modes.PROXY.env(2)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"  # the caller's wins
+    assert modes.RealMode().env(2)["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"
 
 
 def test_one_torchrun_command_builder():

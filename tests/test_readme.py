@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,11 @@ def test_docs_sbatch_script_is_what_slurm_writes(tmp_path, monkeypatch):
     root = str(launcher.project_root())
     generic = (
         script.replace(str(out.resolve()), "<run dir>")
-        .replace(root, "<checkout>")
         .replace(launcher.torchrun_exe(), "<checkout>/.venv/bin/torchrun")
-    )  # a venv outside the checkout
+        .replace(sys.executable, "<checkout>/.venv/bin/python")
+        .replace(sys.prefix, "<checkout>/.venv")
+        .replace(root, "<checkout>")
+    )  # the job's Python environment, wherever it is
     # the records dir defaults to none with --out; the page shows the default (results/records)
     shown = next(b for b in _blocks() if b.startswith("#!/bin/bash"))
     assert shown.startswith(generic), f"{REAL_RUNS.name}'s sbatch script differs from:\n{generic}"

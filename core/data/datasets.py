@@ -101,7 +101,8 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
 
 
 def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
-    check_hub_reachable()
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: 512 ranks probing the hub is a burst of its own
+        check_hub_reachable()
     from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
     ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True)

@@ -33,7 +33,11 @@ from core.fileio import atomic_write_json
 from recipes import launcher, modes
 
 STEPS = 6
-PARITY_TOL = 1e-5  # fp32: only the summation order differs (as recipes/studies/parity.py)
+PARITY_TOL = 1e-5  # fp32 on CPU gloo: only the summation order differs (as recipes/studies/parity.py)
+# The real form compares eager 3D on GPUs (NCCL's ring/tree reduction order) with a compiled
+# single GPU (inductor fuses pointwise ops and reassociates fp32 sums): a bound, not a fit: an fp32
+# sum of K = 4096 terms in another order moves by up to about K x 2^-23 = 4.9e-4 relative.
+PARITY_TOL_REAL = 5e-4  # relative to the loss
 BASE = [
     "--model.flavor=tiny4",
     "--data.dataset=synthetic",
@@ -317,10 +321,11 @@ def _three_d(pf: Preflight, ref: dict | None, seed: Path) -> None:
     )
     if ref is not None:
         diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=False))
+        tol = PARITY_TOL_REAL * max(map(abs, ref["losses"])) if pf.real else PARITY_TOL
         pf.verdict(
             "loss parity 3D (eager) vs single process (compiled), from the seed checkpoint",
-            len(rec["losses"]) == len(ref["losses"]) and diff <= PARITY_TOL,
-            f"max |diff| {diff:.2e} (tolerance {PARITY_TOL:g})",
+            len(rec["losses"]) == len(ref["losses"]) and diff <= tol,
+            f"max |diff| {diff:.2e} (tolerance {tol:g})",
         )
 
 
