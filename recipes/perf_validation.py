@@ -10,7 +10,6 @@ with its source, GPU system and full configuration. A figure a constant was fitt
 
 from __future__ import annotations
 
-import csv
 import functools
 import statistics
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from tabulate import tabulate
 
 from core.dryrun import accuracy, calibrate
 from core.dryrun.gpuspec import DEFAULT_GPU
-from core.fileio import atomic_path, atomic_write
+from core.fileio import atomic_write
 from recipes import launcher, registry
 
 CSV_COLUMNS = (
@@ -175,13 +174,11 @@ def effects(figs: list[Figure]) -> list[dict]:
 
 def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
     """results/perf_validation.csv and .md; core/dryrun/accuracy.toml (the error band)."""
+    from recipes.results import write_csv
+
     rows = csv_rows(figs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out_dir / "perf_validation.csv", out_dir / "perf_validation.md"
-    with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    csv_path, md_path = write_csv(out_dir / "perf_validation.csv", rows, CSV_COLUMNS), out_dir / "perf_validation.md"
     s = summary(figs)
     atomic_write(md_path, _markdown(rows, s, effects(figs)))
     accuracy.write(s)

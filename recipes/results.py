@@ -336,6 +336,9 @@ OTHER_FILES = {
     "toggles.csv": "the same as toggles.md, one measured figure per line (`run-recipe bench`)",
     "toggles.json": "the raw measurements behind toggles.md",
     "cp_activation_memory.json": "activation memory per rank at CP 1, 2, 4 (`run-recipe cp-memory`)",
+    "perf_validation.md": "the performance model vs every public throughput figure, its error band "
+    "(`run-recipe dry-run-table --validate`)",
+    "perf_validation.csv": "the same as CSV",
 }
 
 
