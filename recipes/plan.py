@@ -294,6 +294,7 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
     estimate) ranked by predicted tokens/s per GPU (dry-run performance model)."""
+    from core.dryrun.accuracy import text as band_text
     from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
 
     try:
@@ -326,7 +327,8 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
     click.echo(
         f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
         f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
-        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime); ranked by speed among those that fit:"
+        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime), error band {band_text()}; "
+        "ranked by speed among those that fit:"
     )
     click.echo(_ranked_table(ranked[:top]))
     best = ranked[0]

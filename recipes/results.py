@@ -126,6 +126,14 @@ def _rows_by(labels, values) -> list[str]:
     return [f"({'all rows' if len(rows) == len(labels) else '; '.join(rows)}): {v}" for v, rows in out.items()]
 
 
+def _band(preds: list[dict]) -> str:
+    """The error band the records' predictions carry (core/dryrun/accuracy.py), else today's."""
+    from core.dryrun import accuracy
+
+    bands = sorted({p["error_band"] for p in preds if p.get("error_band")})
+    return "; ".join(bands) if bands else accuracy.text()
+
+
 def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig: str | None) -> list[str]:
     """The short list under a compact table: the GPU spec and calibration of the predictions,
     the mode, hardware, versions and notes of our records, the recipe ids and the figure."""
@@ -139,7 +147,8 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
         lines.append(
             f"- **predicted** ({n_pred} of {n} rows): the performance model (`core/dryrun/runtime.py`) "
             f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
-            "each row's dry-run record; `TPS error %` and `mem error %` are against the paper."
+            "each row's dry-run record; `TPS error %` and `mem error %` are against the paper. "
+            f"The model's measured error band: {_band(preds)}."
         )
         cal = [
             f"{row} ({const})"

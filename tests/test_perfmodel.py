@@ -56,12 +56,26 @@ def test_more_bandwidth_never_slows_a_row():
             assert tps(rid, faster) >= tps(rid, base) * (1 - 1e-9), (rid, field)
 
 
+def fp8_as_bf16(base: G.GPUSpec) -> G.GPUSpec:
+    """The spec with its FP8 peak and every FP8 GEMM table equal to BF16's."""
+    bf16 = base.gemm_points("bf16")
+    gemm = tuple((kind, bf16) for kind, _ in base.gemm)
+    return dataclasses.replace(base, peak_fp8_flops=base.peak_bf16_flops, gemm=gemm)
+
+
+@functools.cache
+def cfg_with(rid: str, *overrides: str):
+    return launcher.resolve_config(registry.get(rid), "dry-run", list(overrides))
+
+
 def test_fp8_peak_equal_to_bf16_removes_float8_compute_gain():
-    base = G.load_spec(PAPER)
-    same = dataclasses.replace(base, peak_fp8_flops=base.peak_bf16_flops, gemm_fp8=base.gemm_bf16)
+    same = fp8_as_bf16(G.load_spec(PAPER))
+    # Full AC: both recompute the same forward (selective op AC saves float8 matmul outputs where
+    # it recomputes every other bf16 one: a memory trade, not a compute gain).
+    full = "activation_checkpoint.mode=full"
     for gpus in (8, 128):
-        f8 = predict(cfg_of(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8"), same, memory=NO_MEM)
-        bf = predict(cfg_of(f"llama3_8b/table1/{gpus}gpu_fsdp_compile"), same, memory=NO_MEM)
+        f8 = predict(cfg_with(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8", full), same, memory=NO_MEM)
+        bf = predict(cfg_with(f"llama3_8b/table1/{gpus}gpu_fsdp_compile", full), same, memory=NO_MEM)
         assert f8["breakdown"]["compute"] == pytest.approx(bf["breakdown"]["compute"], rel=1e-9)
         assert f8["tokens_per_sec_per_gpu"] <= bf["tokens_per_sec_per_gpu"]  # only the casts remain
         # with the real FP8 rate Float8 is faster
@@ -173,7 +187,7 @@ def test_ring_passes_query_wide_kv_and_hides_all_but_the_last_dkv_hop():
 # ------------------------------------------------------------------------------------ GPU specs
 def test_every_spec_loads_and_unknown_names_are_listed():
     known = G.known_gpus()
-    assert {"h100_96gb_hbm2e_500w", "h100_sxm_80gb", "h200_141gb"} <= set(known)
+    assert {"h100_96gb_hbm2e_500w", "h100_sxm_80gb", "h200_141gb", "b200"} <= set(known)
     for name in known:
         assert G.load_spec(name).name == name
     with pytest.raises(G.SpecError) as e:
@@ -330,12 +344,12 @@ PCT_GOAL, ROWS_GOAL = 15.0, 15
 
 
 def _effects() -> list[dict]:
-    from recipes.dryrun_table import published_effects
+    from recipes.dryrun_table import bench_tps, published_effects
 
     ref = {
         r.id: r.reference["paper_tps_per_gpu"] for r in registry.all_recipes() if r.reference.get("paper_tps_per_gpu")
     }
-    return published_effects({rid: tps(rid) for rid in ref}, ref)
+    return published_effects({rid: tps(rid) for rid in ref}, ref, bench_tps())
 
 
 def test_goals_against_the_paper():
@@ -346,7 +360,9 @@ def test_goals_against_the_paper():
         if r.reference.get("paper_tps_per_gpu")
     ]
     within = [rid for rid, paper, ours in rows if abs(ours - paper) / paper * 100 <= PCT_GOAL]
+    within10 = [rid for rid, paper, ours in rows if abs(ours - paper) / paper * 100 <= 10.0]
     print(f"\npredicted TPS/GPU within {PCT_GOAL:.0f}%: {len(within)} of {len(rows)} (goal {ROWS_GOAL})")
+    print(f"predicted TPS/GPU within 10%: {len(within10)} of {len(rows)}")
     for rid, paper, ours in rows:
         print(f"  {rid:55s} paper {paper:6.0f}  predicted {ours:7.1f}  {(ours - paper) / paper * 100:+6.1f}%")
     met = {}
@@ -359,16 +375,17 @@ def test_goals_against_the_paper():
             f"{'met' if e['met'] else 'MISSED'}"
         )
     # What the model meets today (see the report for the misses and why).
-    assert len(within) >= MET_ROWS
+    assert len(within) >= MET_ROWS and len(within10) >= MET_ROWS_10
     for name in MET_EFFECTS:
         assert met[name], name
 
 
-MET_ROWS = 16
+MET_ROWS, MET_ROWS_10 = 17, 15
 MET_EFFECTS = (
     "compile, Table 1 at 8 GPUs (gain %)",
     "compile, Table 1 at 128 GPUs (gain %)",
     "Float8, Table 1 at 8 GPUs (gain % over FSDP)",
+    "Float8, Table 1 at 128 GPUs (gain % over FSDP)",
     "AsyncTP, Table 2 (gain %)",
     "Interleaved 1F1B over 1F1B, Table 3 (gain %)",
     "Table 4 CP doubling to 2 (TPS ratio x 100)",
@@ -379,18 +396,24 @@ MET_EFFECTS = (
 )
 
 
-def test_calibrated_constants_are_what_the_named_rows_give():
-    """The paper spec's two calibrated constants are reproducible from their named rows; the rows
-    are named in the prediction's calibration note; the other specs calibrate nothing."""
+def test_fitted_constants_are_what_their_named_figures_give():
+    """The two fitted constants are reproducible from their named public figures; each spec that
+    holds one names it (constant and figure) in its calibration note, which predictions carry;
+    every other spec calibrates nothing."""
     from core.dryrun import calibrate
+    from recipes import perf_validation
 
-    rows = {k: (cfg_of(rid), registry.get(rid).reference["paper_tps_per_gpu"]) for k, rid in calibrate.ROWS.items()}
-    fitted = calibrate.fit(rows)
-    stored = G.load_spec(PAPER)
-    assert len(calibrate.ROWS) <= 2 and len(set(calibrate.ROWS.values())) <= 2
-    for key, value in fitted.items():
-        assert getattr(stored, key) == pytest.approx(value, abs=0.002), key
+    assert len(calibrate.FITS) <= 2 and len({f.figure for f in calibrate.FITS}) <= 2
+    fitted = calibrate.fit(perf_validation.fit_targets())
+    holders = set()
+    for f in calibrate.FITS:
+        named = f.row if f.figure == f"paper/{f.row}" else f.figure
+        for name in f.specs:
+            holders.add(name)
+            spec = G.load_spec(name)
+            assert getattr(spec, f.field) == pytest.approx(fitted[f.figure], abs=0.002), (name, f.field)
+            assert f"compute.{f.field} on {named}" in spec.calibration, name
     note = predict(cfg_of(ROWS[0]), PAPER, memory=NO_MEM)["calibration"]
-    assert all(rid in note for rid in calibrate.ROWS.values())
-    for name in ("h100_sxm_80gb", "h200_141gb"):
-        assert G.load_spec(name).clock_fraction == 1.0 and not G.load_spec(name).calibration
+    assert "llama3_8b/table1/8gpu_fsdp_compile" in note
+    for name in set(G.known_gpus()) - holders:
+        assert not G.load_spec(name).calibration, name

@@ -1,27 +1,51 @@
-"""The two calibrated constants of the paper's GPU spec, refitted: `run-recipe dry-run-table
---calibrate` (which hands this module the two rows: core never imports the recipes).
+"""The performance model's two fitted constants, refitted: `run-recipe dry-run-table --calibrate`
+(which hands this module the configurations and measured figures: core never imports the
+recipes). Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited
+measurement; the values are written into the spec files by hand, with a note naming the figure.
 
-Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited benchmark.
-Two are not published for the paper's system, so each is fitted on one named row and nothing
-else (the values are then written into h100_96gb_hbm2e_500w.toml by hand, with this note):
+Both are sustained clocks: the clock a part holds through a training run, as a fraction of the
+clock the spec's GEMM and attention rates were measured at (short microbenchmarks on 700 W
+H100 / H200 parts). Neither is published for these systems:
 
-- compute.clock_fraction: the sustained clock of the 500 W part as a fraction of the 700 W
-  part's boost clock; fitted on Table 1, FSDP + compile, 8 GPUs (llama3_8b/table1/8gpu_fsdp_compile),
-  the row where the paper (6,674) and its Dec 2024 re-run (6,667) agree and no communication is
-  exposed: the row measures sustained compute.
-- efficiency.flash_attention_bwd: flash attention's backward fraction of peak; fitted on Table 4,
-  FSDP 8, CP 1 at 32K tokens (long_context/table4/8b_fsdp8_cp1_32k), where attention is about half
-  the step and CP adds no communication. The forward keeps its cited value.
+- the paper's 500 W H100 (h100_96gb_hbm2e_500w), fitted on Table 1, FSDP + compile, 8 GPUs
+  (llama3_8b/table1/8gpu_fsdp_compile: no exposed communication, and the paper (6,674) and its
+  Dec 2024 re-run (6,667) agree);
+- the 700 W Hopper parts (h100_sxm_80gb and h200_141gb share it: the same die at the same power
+  limit), fitted on one public H100 SXM figure (results/perf_validation.md names it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-ROWS = {
-    "clock_fraction": "llama3_8b/table1/8gpu_fsdp_compile",
-    "flash_attention_bwd": "long_context/table4/8b_fsdp8_cp1_32k",
-}
+
+@dataclass(frozen=True)
+class Fit:
+    field: str  # the GPUSpec field
+    specs: tuple[str, ...]  # the spec files that hold it
+    figure: str  # the public figure it is fitted on (results/perf_validation.md)
+    row: str  # the recipe row the figure's configuration starts from
+
+
+FITS = (
+    Fit(
+        "clock_fraction",
+        ("h100_96gb_hbm2e_500w",),
+        "paper/llama3_8b/table1/8gpu_fsdp_compile",
+        "llama3_8b/table1/8gpu_fsdp_compile",
+    ),
+    Fit("clock_fraction", ("h100_sxm_80gb", "h200_141gb"), "aws-p5/8b-32-eager", "llama3_8b/table1/128gpu_fsdp"),
+)
+
+
+def fitted_figures() -> list[str]:
+    return [f.figure for f in FITS]
+
+
+def describe() -> list[str]:
+    """One line per fitted constant: which spec field, on which figure."""
+    return [f"compute.{f.field} of {' and '.join(f.specs)} on {f.figure}" for f in FITS]
 
 
 def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
@@ -32,20 +56,22 @@ def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
     return (lo + hi) / 2
 
 
-def fit(rows: dict[str, tuple[object, float]], spec_name: str = "h100_96gb_hbm2e_500w", rounds: int = 4) -> dict:
-    """rows: for each key of ROWS, (the row's validated config, the paper's TPS/GPU). Alternates
-    the two one-dimensional fits until they settle; returns the constants, rounded as stored."""
+def fit(targets: dict[str, tuple[object, float]]) -> dict[str, float]:
+    """targets: for each fitted figure id, (its validated config, its measured TPS/GPU). Each
+    constant is fitted on its figure alone (a clock changes only its own specs); returns them by
+    figure id, rounded as stored."""
     from core.dryrun.gpuspec import load_spec
     from core.dryrun.runtime import predict
 
-    spec = load_spec(spec_name)
     mem = {"allocated_peak_gib": 0.0}  # memory is not what is fitted
-    for _ in range(rounds):
-        for key, (cfg, paper) in rows.items():
+    out = {}
+    for f in FITS:
+        cfg, measured = targets[f.figure]
+        spec = load_spec(f.specs[0])
 
-            def err(x, key=key, cfg=cfg, paper=paper, base=spec):
-                s = dataclasses.replace(base, **{key: x})
-                return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - paper
+        def err(x, f=f, cfg=cfg, measured=measured, spec=spec):
+            s = dataclasses.replace(spec, **{f.field: x})
+            return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - measured
 
-            spec = dataclasses.replace(spec, **{key: _bisect(err, 0.05, 1.0)})
-    return {k: round(getattr(spec, k), 3) for k in rows}
+        out[f.figure] = round(_bisect(err, 0.05, 1.0), 3)
+    return out

@@ -1,6 +1,17 @@
-"""GPU systems as data: one TOML file per system in core/dryrun/hardware/ (peak FLOP/s, HBM,
-links, latencies and the achieved-efficiency constants, each number with its source in a
-comment), loaded and checked here. Torch-free, so the layout advisor can load it cheaply."""
+"""GPU systems as data: one TOML file per system in core/dryrun/hardware/ (datasheet peaks, HBM,
+links, latencies, the measured rates of GEMMs by shape and of the other kernels, each number with
+its source), loaded and checked here. Torch-free, so the layout advisor can load it cheaply.
+
+The format (docs/dry-run.md, "The GPU spec format"; `run-recipe gpu-spec --measure` writes the
+same):
+
+- [compute], [memory], [links], [efficiency]: one positive number per field, its source in a
+  comment; efficiencies are fractions of the datasheet figure beside them (<= 1);
+- [gemm]: for each GEMM kernel family (`bf16`, `fp8_tensorwise`, `fp8_rowwise`) a small table
+  of measured points `{m, n, k, efficiency, source, measured?}`: the fraction of the dtype's
+  datasheet peak a GEMM of that shape reached. A family the spec has no table for is a recipe
+  the model refuses on that GPU (core/dryrun/gemm.py).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ DEFAULT_GPU = "h100_96gb_hbm2e_500w"
 
 # (section, field) of every required number; efficiencies must also be at most 1.
 FIELDS = {
-    "compute": ("peak_bf16_flops", "peak_fp8_flops", "clock_fraction"),
+    "compute": ("peak_bf16_flops", "peak_fp8_flops", "clock_fraction", "kernel_overhead_s"),
     "memory": ("hbm_bandwidth", "hbm_capacity_gib"),
     "links": (
         "nvlink_bandwidth",
@@ -24,20 +35,26 @@ FIELDS = {
         "nvlink_latency_s",
         "network_latency_s",
     ),
-    "efficiency": (
-        "gemm_bf16",
-        "gemm_fp8",
-        "flash_attention_fwd",
-        "flash_attention_bwd",
-        "hbm",
-        "nccl_nvlink",
-        "nccl_rdma",
-    ),
+    "efficiency": ("flash_attention_fwd", "flash_attention_bwd", "hbm", "nccl_nvlink", "nccl_rdma"),
 }
+GEMM_KINDS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
+GEMM_POINT_DIMS = ("m", "n", "k")
 
 
 class SpecError(ValueError):
     """A GPU spec that is unknown or malformed; the message names the file and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPoint:
+    """One measured GEMM: its shape and the fraction of the dtype's datasheet peak it reached."""
+
+    m: int
+    n: int
+    k: int
+    efficiency: float
+    source: str
+    measured: str = ""  # the date of a measurement (`run-recipe gpu-spec --measure`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +64,7 @@ class GPUSpec:
     peak_bf16_flops: float
     peak_fp8_flops: float
     clock_fraction: float
+    kernel_overhead_s: float
     hbm_bandwidth: float
     hbm_capacity_gib: float
     nvlink_bandwidth: float
@@ -55,14 +73,17 @@ class GPUSpec:
     collective_base_latency_s: float
     nvlink_latency_s: float
     network_latency_s: float
-    gemm_bf16: float
-    gemm_fp8: float
     flash_attention_fwd: float
     flash_attention_bwd: float
     hbm: float
     nccl_nvlink: float
     nccl_rdma: float
+    # (kind, measured points) for each GEMM kernel family the spec has a table for
+    gemm: tuple[tuple[str, tuple[GemmPoint, ...]], ...] = ()
     calibration: str = ""
+
+    def gemm_points(self, kind: str) -> tuple[GemmPoint, ...]:
+        return dict(self.gemm).get(kind, ())
 
 
 def _dir():
@@ -71,6 +92,45 @@ def _dir():
 
 def known_gpus() -> list[str]:
     return sorted(f.name[:-5] for f in _dir().iterdir() if f.name.endswith(".toml"))
+
+
+def _positive(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
+
+
+def _gemm_point(p, key: str, where: str) -> GemmPoint:
+    if not isinstance(p, dict):
+        raise SpecError(f"{where}: field {key} must be a table {{m, n, k, efficiency, source}}")
+    for d in GEMM_POINT_DIMS:
+        if not (_positive(p.get(d)) and int(p[d]) == p[d]):
+            raise SpecError(f"{where}: field {key}.{d} must be a positive integer, got {p.get(d)!r}")
+    eff = p.get("efficiency")
+    if not _positive(eff) or eff > 1:
+        raise SpecError(f"{where}: field {key}.efficiency must be a fraction of peak in (0, 1], got {eff!r}")
+    src = p.get("source")
+    if not isinstance(src, str) or not src.strip():
+        raise SpecError(f"{where}: field {key}.source must name where the number comes from")
+    return GemmPoint(int(p["m"]), int(p["n"]), int(p["k"]), float(eff), src.strip(), str(p.get("measured", "")))
+
+
+def _gemm_tables(data: dict, where: str) -> tuple:
+    sec = data.get("gemm")
+    if not isinstance(sec, dict):
+        raise SpecError(f"{where}: missing section [gemm]")
+    unknown = sorted(set(sec) - set(GEMM_KINDS))
+    if unknown:
+        raise SpecError(f"{where}: unknown GEMM kind gemm.{unknown[0]} (known: {', '.join(GEMM_KINDS)})")
+    if "bf16" not in sec:
+        raise SpecError(f"{where}: missing field gemm.bf16")
+    tables = []
+    for kind in GEMM_KINDS:
+        if kind not in sec:
+            continue
+        points = sec[kind]
+        if not isinstance(points, list) or not points:
+            raise SpecError(f"{where}: field gemm.{kind} must be a non-empty list of measured points")
+        tables.append((kind, tuple(_gemm_point(p, f"gemm.{kind}[{i}]", where) for i, p in enumerate(points))))
+    return tuple(tables)
 
 
 def parse_spec(data: dict, where: str) -> GPUSpec:
@@ -85,7 +145,7 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
             if n not in sec:
                 raise SpecError(f"{where}: missing field {key}")
             v = sec[n]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not _positive(v):
                 raise SpecError(f"{where}: field {key} must be a positive number, got {v!r}")
             if section == "efficiency" and v > 1:
                 raise SpecError(f"{where}: field {key} is a fraction of peak and must be <= 1, got {v!r}")
@@ -99,7 +159,11 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: missing field name")
     return GPUSpec(
-        name=name, description=str(data.get("description", "")), calibration=str(data.get("calibration", "")), **values
+        name=name,
+        description=str(data.get("description", "")),
+        calibration=str(data.get("calibration", "")),
+        gemm=_gemm_tables(data, where),
+        **values,
     )
 
 

@@ -118,4 +118,5 @@ def predicted_record(cfg, gpu: str = DEFAULT_GPU) -> dict:
         "fits": pr["fits"],
         "capacity_gib": pr["capacity_gib"],
         "calibration": pr["calibration"],
+        "error_band": pr["error_band"],
     }

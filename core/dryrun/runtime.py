@@ -5,15 +5,18 @@ It walks the same step the memory accounting walks (core/dryrun/memory.py): forw
 backward of each block, the loss, the optimizer; under PP each rank's actions in the schedule's
 own order (`core.parallel.schedule_sim.pipeline_order`). Each event gets:
 
-- compute: matmul FLOPs at the GEMM rate (linears at the FP8 rate under Float8; the output
-  projection stays BF16, as torchtitan filters it), causal flash-attention FLOPs at the
-  attention rate; recompute under the AC mode (full: the whole block forward; selective op with
-  every other matmul saved: wk, wo, w3 and every pointwise op; selective k: every k-th block);
-- memory-bound work: bytes of the pointwise / norm / RoPE / cast ops at HBM bandwidth (see
-  `_pointwise_bytes` for what compile fuses);
+- compute: every matmul (each linear's three GEMMs, TP shards included, and the output
+  projection) priced by its shape and kernel family (core/dryrun/gemm.py; the Float8 recipe's
+  kernels, core/dryrun/linears.py; the output projection stays BF16, as torchtitan filters it),
+  causal flash-attention FLOPs at the attention rate; recompute under the AC mode (full: the
+  whole block forward; selective op with every other matmul saved: wk, wo, w3 and every
+  pointwise op; selective k: every k-th block);
+- memory-bound work: bytes of the pointwise / norm / RoPE ops (see `_pointwise_bytes` for what
+  compile fuses) and of Float8's casts per recipe (core/dryrun/linears.py) at HBM bandwidth;
 - communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
   on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
-  reduce-scatter around the block's matmuls (AsyncTP hides them behind those matmuls), loss
+  reduce-scatter around the block's matmuls (AsyncTP: what torch's micro-pipeline pass fuses
+  and what its pipelined ops leave exposed, core/dryrun/asynctp.py), loss
   parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
   and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
@@ -23,13 +26,17 @@ own order (`core.parallel.schedule_sim.pipeline_order`). Each event gets:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
-from core.dryrun import ring
+from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
+from core.dryrun.asynctp import block_collectives, exposed
 from core.dryrun.comms import mesh_links
+from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
+from core.dryrun.linears import block_linear_seconds, block_linears, gemm_kinds
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.models.args import model_args
 
@@ -69,8 +76,8 @@ def analytic_flops(cfg) -> dict:
     return {"total": mm + attn, "matmul": mm, "attention": attn}
 
 
-def _pointwise_bytes(s: Shapes, compiled: bool, float8: bool) -> float:
-    """HBM bytes of one block's forward outside the matmuls and SDPA.
+def _pointwise_bytes(s: Shapes, compiled: bool) -> float:
+    """HBM bytes of one block's forward outside the matmuls, SDPA and Float8's casts.
 
     Eager, per core/models/llama3.py: RMSNorm upcasts, squares, averages, scales, casts back and
     multiplies by its weight (36 bytes per element); the residual add (6); RoPE upcasts q and k,
@@ -78,93 +85,78 @@ def _pointwise_bytes(s: Shapes, compiled: bool, float8: bool) -> float:
     SiLU then the product (10 per FFN element). Compiled, inductor fuses each run of pointwise
     and reduction ops between two extern kernels (matmul, SDPA) into one kernel that reads its
     inputs once and writes its outputs once: residual add + RMSNorm (8 bytes), RoPE on q and k
-    together with repeat_kv's copy (4 + the expanded write), SiLU x mul (6). Float8 (tensorwise,
-    dynamic): each linear's input gets an amax pass and a scaled cast (5 bytes per element,
-    compiled: amax and cast are two kernels; eager, several more: x2)."""
+    together with repeat_kv's copy (4 + the expanded write), SiLU x mul (6). Float8's casts:
+    core/dryrun/linears.py."""
     T, a = s.tokens, 2
     Tsp = T * s.sp
     expand = 2 * T * (s.q - s.kv) * a if s.n_rep > 1 else 0.0
     if compiled:
-        b = 2 * 8 * Tsp * s.d + 4 * T * (s.q + s.kv) + expand + 6 * T * s.f
-    else:
-        b = 2 * 36 * Tsp * s.d + 2 * 6 * Tsp * s.d + 20 * T * (s.q + s.kv) + expand + 2 * expand + 10 * T * s.f
-    if float8:
-        inputs = T * (2 * s.d + s.q + s.f)  # attention input, wo input, FFN input, w2 input
-        b += 5 * inputs * (1 if compiled else 2)
-    return b
-
-
-def _float8_bwd_bytes(s: Shapes, compiled: bool) -> float:
-    """Backward casts of Float8 linears: each output gradient's amax, cast and transposed copy
-    (6 bytes per element) and the saved fp8 inputs' transposes for the weight gradients (2)."""
-    T = s.tokens
-    grads = T * (s.q + 2 * s.kv + s.d + 2 * s.f + s.d)
-    inputs = T * (2 * s.d + s.q + s.f)
-    return (6 * grads + 2 * inputs) * (1 if compiled else 2)
+        return 2 * 8 * Tsp * s.d + 4 * T * (s.q + s.kv) + expand + 6 * T * s.f
+    return 2 * 36 * Tsp * s.d + 2 * 6 * Tsp * s.d + 20 * T * (s.q + s.kv) + expand + 2 * expand + 10 * T * s.f
 
 
 class _Rates:
     def __init__(self, spec: GPUSpec):
         clk = spec.clock_fraction
-        self.bf16 = spec.peak_bf16_flops * spec.gemm_bf16 * clk
-        self.fp8 = spec.peak_fp8_flops * spec.gemm_fp8 * clk
         self.attn_f = spec.peak_bf16_flops * spec.flash_attention_fwd * clk
         self.attn_b = spec.peak_bf16_flops * spec.flash_attention_bwd * clk
         self.hbm = spec.hbm_bandwidth * spec.hbm
 
 
+def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tuple) -> dict:
+    """(exposed TP seconds, AsyncTP's extra work) of one block's forward, backward and
+    selective-op recompute (core/dryrun/asynctp.py: NCCL in full, or what AsyncTP leaves). The
+    recompute runs the two forward all-gathers again (the saved reduce-scatter outputs spare
+    those), fused with the matmuls it recomputes."""
+    if s.tp <= 1:
+        return {"fwd": (0.0, 0.0), "bwd": (0.0, 0.0), "rec": (0.0, 0.0)}
+    on = cfg.parallelism.enable_async_tp
+    col = block_collectives(s, recipe)
+    gathers = [
+        dataclasses.replace(c, matmuls=tuple(m for m in c.matmuls if m[0] in recomputed))
+        for c in col["fwd"]
+        if c.kind == "ag"
+    ]
+    parts = {"fwd": col["fwd"], "bwd": col["bwd"], "rec": gathers}
+    return {k: exposed(spec, link, v, s.tokens, s.tp, on) for k, v in parts.items()}
+
+
 def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
     """Seconds of one block for one microbatch: forward, recompute, backward, each split into
-    compute / memory_bound / exposed tp / exposed cp, and the FSDP traffic of the block."""
+    compute / memory_bound / exposed tp / exposed cp."""
     r = _Rates(spec)
     p, ac = cfg.parallelism, cfg.activation_checkpoint
-    compiled, f8 = cfg.compile.enabled, cfg.float8.enabled
-    seq = cfg.training.seq_len
-    fl = block_flops(s, seq)
-    mm_rate = r.fp8 if f8 else r.bf16
-    mm_f = fl["matmul"] / mm_rate
+    compiled = cfg.compile.enabled
+    fl = block_flops(s, cfg.training.seq_len)
+    lin = block_linear_seconds(spec, s, cfg)
     attn_f = fl["attention"] / r.attn_f
     attn_b = FLASH_BWD_OVER_FWD * fl["attention"] / r.attn_b
-    pw_f = _pointwise_bytes(s, compiled, f8) / r.hbm
+    pw_f = _pointwise_bytes(s, compiled) / r.hbm + lin["fwd_cast"]
     # Backward moves about twice the forward's bytes (gradient in, saved input, gradient out);
     # compiled, the min-cut partitioner also reruns the fused forward kernels it did not save.
-    pw_b = (
-        (3 if compiled else 2) * _pointwise_bytes(s, compiled, False) + (_float8_bwd_bytes(s, compiled) if f8 else 0)
-    ) / r.hbm
-    T, d = s.tokens, s.d
+    pw_b = (3 if compiled else 2) * _pointwise_bytes(s, compiled) / r.hbm + lin["bwd_cast"]
     # CP: ring attention as torch runs it (core/dryrun/ring.py): the k/v and dk/dv exchanges
     # nothing hides, and the eager fp32 merge / accumulation glue around the per-step SDPA calls.
     cp_f = cp_b = 0.0
     if s.cp > 1:
-        n = T * s.q  # elements of the local q, and of k and v after repeat_kv
+        n = s.tokens * s.q  # elements of the local q, and of k and v after repeat_kv
         cp_f, cp_b = ring.exposed_comm(n, s.cp, p.cp_rotate_method, links["cp"], attn_f, attn_b)
         glue_f, glue_b = ring.glue_bytes(s.cp)
         pw_f += glue_f * n / r.hbm
         pw_b += glue_b * n / r.hbm
-    # TP/SP: all-gather before attention and FFN (fp8 with float8 TP styles), reduce-scatter after
-    # wo and w2; backward the reverse on bf16 gradients.
-    tp_f = tp_b = 0.0
-    if s.tp > 1:
-        ag = links["tp"].ring(T * d * s.lin_in)
-        rs = links["tp"].ring(T * d * 2)
-        tp_f = 2 * ag + 2 * rs
-        tp_b = 4 * links["tp"].ring(T * d * 2)
-
-    def exposed_tp(comm, mm):
-        if not p.enable_async_tp:
-            return comm
-        # AsyncTP splits each collective into tp chunks pipelined with the matmul's pieces: the
-        # first chunk cannot overlap, the rest hides behind the matmuls.
-        return max(comm / s.tp, comm - mm)
-
-    fwd = {"compute": mm_f + attn_f, "memory_bound": pw_f, "tp": exposed_tp(tp_f, mm_f), "cp": cp_f}
-    bwd = {"compute": 2 * mm_f + attn_b, "memory_bound": pw_b, "tp": exposed_tp(tp_b, 2 * mm_f), "cp": cp_b}
+    # Selective op AC with every other matmul saved recomputes wk, wo, w3 (the policy counts
+    # aten.mm only: Float8's _scaled_mm outputs are all saved) and every pointwise op.
+    every_other = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.save_every_other_mm
+    bf16_mm = {x.name for x in block_linears(s) if gemm_kinds(x, lin["recipe"])[0] == "bf16"}
+    recomputed = tuple(n for n in ("wk", "wo", "w3") if n in bf16_mm) if every_other else ()
+    tp = _tp_seconds(cfg, s, spec, links["tp"], lin["recipe"], recomputed)
+    fwd = {"compute": lin["fwd_mm"] + attn_f + tp["fwd"][1], "memory_bound": pw_f, "tp": tp["fwd"][0], "cp": cp_f}
+    bwd = {"compute": lin["bwd_mm"] + attn_b + tp["bwd"][1], "memory_bound": pw_b, "tp": tp["bwd"][0], "cp": cp_b}
     if ac.mode == "full":
         rec = {"compute": fwd["compute"] + fwd["memory_bound"], "tp": fwd["tp"], "cp": fwd["cp"]}
     elif ac.mode == "selective" and ac.selective_ac_option == "op":
-        mm_re = 2 * T * (d * s.kv + s.q * d + d * s.f) / mm_rate if ac.save_every_other_mm else 0.0
-        # The saved reduce-scatter outputs spare those; the all-gathers run again.
-        rec = {"compute": mm_re + pw_f, "tp": exposed_tp(tp_f / 2, mm_re), "cp": 0.0}
+        mm_re = sum(lin["per_linear"][name][0] for name in recomputed)
+        rec = {"compute": mm_re + pw_f + tp["rec"][1], "tp": tp["rec"][0], "cp": 0.0}
     elif ac.mode == "selective":
         k = int(ac.selective_ac_option)
         rec = {"compute": (fwd["compute"] + fwd["memory_bound"]) / k, "tp": fwd["tp"] / k, "cp": fwd["cp"] / k}
@@ -176,11 +168,13 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
 def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
     forward and backward seconds, and the exposed TP part (all-gather of the normed input,
-    loss parallel's two scalar-per-token all-reduces)."""
+    loss parallel's two scalar-per-token all-reduces; the head is not compiled, so AsyncTP
+    leaves them to NCCL)."""
     r = _Rates(spec)
     T = s.tokens
     V = vocab // s.tp
-    mm = 2 * T * s.d * V / r.bf16
+    mm_f = gemm_seconds(spec, T, V, s.d, "bf16")
+    mm_b = gemm_seconds(spec, T, s.d, V, "bf16") + gemm_seconds(spec, V, s.d, T, "bf16")
     # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way).
     ce = 18 * T * V / r.hbm
     norm = (8 if cfg.compile.enabled else 42) * T * s.sp * s.d / r.hbm
@@ -190,8 +184,8 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
         if cfg.parallelism.loss_parallel:
             tp += 2 * links["tp"].ring(4 * T * s.tp)
     return {
-        "fwd": {"compute": mm, "memory_bound": ce + norm, "tp": tp},
-        "bwd": {"compute": 2 * mm, "memory_bound": ce + 2 * norm, "tp": tp},
+        "fwd": {"compute": mm_f, "memory_bound": ce + norm, "tp": tp},
+        "bwd": {"compute": mm_b, "memory_bound": ce + 2 * norm, "tp": tp},
     }
 
 
@@ -444,6 +438,7 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
         "capacity_gib": spec.hbm_capacity_gib,
         "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in step.links.items()},
         "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
+        "error_band": accuracy.text(),
     }
 
 

@@ -1,0 +1,245 @@
+"""The performance model's mechanisms (core/dryrun/gemm.py, linears.py, asynctp.py): GEMM rates
+by shape, Float8 recipes, AsyncTP's bounds, the spec format, and the validation against the
+public figures (recipes/perf_validation.py) with its error band."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import itertools
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from core.dryrun import gpuspec as G
+from core.dryrun.gemm import NoGemmRate, gemm_seconds
+from core.dryrun.runtime import predict
+from recipes import launcher, registry
+
+pytestmark = pytest.mark.perfmodel
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_MEM = {"allocated_peak_gib": 0.0}
+T1_COMP = "llama3_8b/table1/8gpu_fsdp_compile"
+T2 = "llama3_70b/table2/256gpu_fsdp_tp_compile_float8"
+T3 = "llama3_405b/table3/512gpu_3d_1f1b"
+NO_FP8_GATHER = ("float8.enable_fsdp_float8_all_gather=false", "float8.precompute_float8_dynamic_scale_for_fsdp=false")
+
+
+@functools.cache
+def cfg_with(rid: str, *overrides: str):
+    return launcher.resolve_config(registry.get(rid), "dry-run", list(overrides))
+
+
+def rate(spec, m, n, k, kind) -> float:
+    return 2.0 * m * n * k / gemm_seconds(spec, m, n, k, kind)
+
+
+# ------------------------------------------------------------------------------------- GEMMs
+SIZES = (64, 256, 1024, 4096, 16384, 65536)
+
+
+@pytest.mark.parametrize("gpu", G.known_gpus())
+def test_a_smaller_gemm_never_runs_at_a_higher_rate(gpu):
+    """Shrinking any one of M, N, K never raises the FLOP rate of a kernel family."""
+    spec = G.load_spec(gpu)
+    for kind, _ in spec.gemm:
+        for m, n, k in itertools.product(SIZES, repeat=3):
+            r = rate(spec, m, n, k, kind)
+            for bigger in ((m * 4, n, k), (m, n * 4, k), (m, n, k * 4)):
+                assert r <= rate(spec, *bigger, kind) * (1 + 1e-12), (gpu, kind, (m, n, k), bigger)
+    # and the TP shards of a paper row run slower per FLOP than the unsharded GEMM
+    assert rate(spec, 98304, 128, 4096, "bf16") < rate(spec, 98304, 1024, 4096, "bf16")
+
+
+@pytest.mark.parametrize("gpu", [g for g in G.known_gpus() if G.load_spec(g).gemm_points("fp8_rowwise")])
+def test_rowwise_never_faster_than_tensorwise(gpu):
+    """The same shapes: a rowwise GEMM never outruns the tensorwise one, and a whole linear under
+    the rowwise recipes (its GEMMs and its casts) never outruns it under tensorwise."""
+    from core.dryrun.activations import shapes
+    from core.dryrun.linears import block_linear_seconds
+
+    spec = G.load_spec(gpu)
+    for m, n, k in itertools.product(SIZES, repeat=3):
+        assert gemm_seconds(spec, m, n, k, "fp8_rowwise") >= gemm_seconds(spec, m, n, k, "fp8_tensorwise")
+    for rid, extra in ((T1_COMP, ("float8.enabled=true",)), (T2, NO_FP8_GATHER)):
+        tw = cfg_with(rid, *extra)
+        s = shapes(tw)
+        base = block_linear_seconds(spec, s, tw)
+        total = sum(base[k] for k in ("fwd_mm", "fwd_cast", "bwd_mm", "bwd_cast"))
+        rw = block_linear_seconds(spec, s, cfg_with(rid, *extra, 'float8.recipe="rowwise"'))
+        for k in ("fwd_mm", "fwd_cast", "bwd_mm", "bwd_cast"):
+            assert rw[k] >= base[k] * (1 - 1e-9), k
+        # with the weight gradient in bf16 its forward casts fewer layouts, but the whole is slower
+        hp = block_linear_seconds(spec, s, cfg_with(rid, *extra, 'float8.recipe="rowwise_with_gw_hp"'))
+        assert hp["fwd_mm"] >= base["fwd_mm"] and hp["bwd_mm"] >= base["bwd_mm"]
+        assert sum(hp[k] for k in ("fwd_mm", "fwd_cast", "bwd_mm", "bwd_cast")) >= total
+
+
+def test_unknown_recipe_and_missing_rate_are_refused():
+    """A Float8 recipe the model has no costs for is refused, not priced as another; so is a
+    recipe whose GEMM kernel the spec has no measured rate for (b200: no rowwise FP8 point)."""
+    cfg = cfg_with(T1_COMP, "float8.enabled=true")
+    odd = dataclasses.replace(cfg, float8=dataclasses.replace(cfg.float8, recipe="blockwise"))
+    with pytest.raises(ValueError, match="blockwise"):
+        predict(odd, "h100_sxm_80gb", memory=NO_MEM)
+    with pytest.raises(NoGemmRate, match="b200.*fp8_rowwise"):
+        predict(cfg_with(T1_COMP, "float8.enabled=true", 'float8.recipe="rowwise"'), "b200", memory=NO_MEM)
+    # tensorwise and bf16 are priced on b200, faster than on the H100 SXM
+    for extra in ((), ("float8.enabled=true",)):
+        b200 = predict(cfg_with(T1_COMP, *extra), "b200", memory=NO_MEM)["tokens_per_sec_per_gpu"]
+        h100 = predict(cfg_with(T1_COMP, *extra), "h100_sxm_80gb", memory=NO_MEM)["tokens_per_sec_per_gpu"]
+        assert b200 > h100
+
+
+# ------------------------------------------------------------------------------------- AsyncTP
+def _asynctp_pairs():
+    """(vanilla config, AsyncTP config): the paper's TP rows and TP 2, 4, 8 for 8B and 70B in
+    bf16 and each Float8 recipe."""
+    pairs = [(cfg_with(T2), cfg_with(T2, "parallelism.enable_async_tp=true"))]
+    pairs.append((cfg_with(T3, "parallelism.enable_async_tp=false"), cfg_with(T3)))
+    recipes = ((), ("float8.enabled=true",), ("float8.enabled=true", 'float8.recipe="rowwise"'))
+    for tp, recipe in itertools.product((2, 4, 8), recipes):
+        for rid, lb in ((T1_COMP, 8), (T2, 16)):
+            base = ("float8.enabled=false", *NO_FP8_GATHER, *recipe, f"parallelism.tp={tp}")
+            base += (f"parallelism.dp_shard={64 // tp}", f"training.local_batch_size={lb}")
+            pairs.append((cfg_with(rid, *base), cfg_with(rid, *base, "parallelism.enable_async_tp=true")))
+    return pairs
+
+
+def _block_total(cfg, gpu) -> tuple[float, float]:
+    """(seconds of one block's forward + recompute + backward, of which exposed TP)."""
+    from core.dryrun.runtime import _step_inputs
+
+    step = _step_inputs(cfg, G.load_spec(gpu))
+    parts = step.blk.values()
+    return sum(sum(d.values()) for d in parts), sum(d.get("tp", 0.0) for d in parts)
+
+
+def test_asynctp_between_vanilla_tp_and_hiding_all_tp_traffic():
+    """AsyncTP is never slower than vanilla TP, and never faster than vanilla TP with every TP
+    collective hidden for free: per block, and per step where no pipeline schedule reshapes the
+    step around the blocks' times."""
+    for gpu in ("h100_96gb_hbm2e_500w", "h200_141gb"):
+        for vanilla, fused in _asynctp_pairs():
+            where = (gpu, vanilla.model.flavor, vanilla.parallelism.tp, vanilla.float8.enabled, vanilla.float8.recipe)
+            (v, v_tp), (a, _) = _block_total(vanilla, gpu), _block_total(fused, gpu)
+            assert v - v_tp <= a <= v, where
+            sv, sa = predict(vanilla, gpu, memory=NO_MEM), predict(fused, gpu, memory=NO_MEM)
+            assert sa["step_time_s"] <= sv["step_time_s"] * (1 + 1e-9), where
+            if vanilla.parallelism.pp == 1:
+                hidden_all = sv["step_time_s"] - sv["breakdown"]["exposed_comm"].get("tp", 0.0)
+                assert sa["step_time_s"] >= hidden_all * (1 - 1e-9), where
+
+
+def test_asynctp_leaves_rowwise_gathers_and_backward_reduce_scatters_to_nccl():
+    """torch's pass fuses an all-gather only when it feeds matmuls directly (not under rowwise,
+    where it feeds the quantization) and never backward's input-gradient reduce-scatters."""
+    from core.dryrun.activations import shapes
+    from core.dryrun.asynctp import block_collectives
+
+    s = shapes(cfg_with(T2))
+    for recipe, gathers_fuse in (("bf16", True), ("tensorwise", True), ("rowwise", False)):
+        col = block_collectives(s, recipe)
+        assert [bool(c.matmuls) for c in col["fwd"] if c.kind == "ag"] == [gathers_fuse] * 2
+        assert all(c.matmuls for c in col["fwd"] if c.kind == "rs")
+        assert not any(c.matmuls for c in col["bwd"] if c.kind == "rs")
+    assert {c.elem_bytes for c in block_collectives(s, "tensorwise")["fwd"] if c.kind == "ag"} == {1}
+
+
+# ------------------------------------------------------------------------------------- specs
+def _spec_toml(name: str) -> dict:
+    from importlib import resources
+
+    import tomllib
+
+    return tomllib.loads((resources.files("core.dryrun") / "hardware" / f"{name}.toml").read_text())
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda d: d["gemm"].pop("bf16"), "gemm.bf16"),
+        (lambda d: d["gemm"]["bf16"][0].update(efficiency=1.5), r"gemm.bf16\[0\].efficiency"),
+        (lambda d: d["gemm"]["bf16"][0].update(m=0), r"gemm.bf16\[0\].m"),
+        (lambda d: d["gemm"]["bf16"][0].pop("source"), r"gemm.bf16\[0\].source"),
+        (lambda d: d["gemm"].update(fp4=[]), "gemm.fp4"),
+        (lambda d: d["compute"].pop("kernel_overhead_s"), "compute.kernel_overhead_s"),
+        (lambda d: d.pop("gemm"), r"\[gemm\]"),
+    ],
+)
+def test_bad_gemm_table_is_refused_naming_the_field(change, field):
+    data = _spec_toml(G.DEFAULT_GPU)
+    change(data)
+    with pytest.raises(G.SpecError, match=field):
+        G.parse_spec(data, "bad.toml")
+
+
+def test_every_spec_number_opens_to_a_source():
+    """No spec number is recalled: each GEMM point names its source, and nothing says 'recall'."""
+    out = subprocess.run(["grep", "-ri", "recall", str(ROOT / "core/dryrun/hardware")], capture_output=True, text=True)
+    assert out.stdout == ""
+    for name in G.known_gpus():
+        for _, points in G.load_spec(name).gemm:
+            assert all(len(p.source) > 40 for p in points), name
+
+
+# ------------------------------------------------------------------------------- validation
+@functools.cache
+def _validated():
+    from recipes import perf_validation as V
+
+    return V, V.predict_all(V.figures())
+
+
+def test_validation_marks_fitted_figures_and_leaves_them_out():
+    from core.dryrun import calibrate
+
+    V, figs = _validated()
+    fitted = [f for f in figs if f.fitted]
+    assert {f.id for f in fitted} >= set(calibrate.fitted_figures())
+    for f in fitted:  # the fit reproduces its figure
+        if f.id in calibrate.fitted_figures():
+            assert abs(f.error_pct) < 0.5, f.id
+    s = V.summary(figs)
+    assert s["figures"] == len(figs) - len(fitted) >= 40
+    judged = [abs(f.error_pct) for f in figs if not f.fitted]
+    assert s["mean_abs_error_pct"] == pytest.approx(sum(judged) / len(judged), abs=0.05)
+    rows = V.csv_rows(figs)
+    assert all(tuple(r) == V.CSV_COLUMNS for r in rows)
+    assert {r["gpu"] for r in rows} >= {"h100_96gb_hbm2e_500w", "h100_sxm_80gb", "h200_141gb"}
+
+
+def test_results_and_error_band_are_the_validation_of_this_model():
+    """results/perf_validation.csv is what the harness writes for this model today, and the band
+    the predictions print (core/dryrun/accuracy.toml) is its summary."""
+    from core.dryrun import accuracy
+
+    V, figs = _validated()
+    with open(ROOT / "results" / "perf_validation.csv", newline="") as fh:
+        stored = list(csv.DictReader(fh))
+    assert tuple(stored[0]) == V.CSV_COLUMNS
+    fresh = {r["source"]: r for r in V.csv_rows(figs)}
+    assert set(fresh) == {r["source"] for r in stored}
+    for r in stored:
+        assert float(r["predicted_tps_per_gpu"]) == pytest.approx(fresh[r["source"]]["predicted_tps_per_gpu"], abs=0.2)
+    s = V.summary(figs)
+    band = accuracy.band()
+    assert band["mean_abs_error_pct"] == s["mean_abs_error_pct"] and band["figures"] == s["figures"]
+    text = accuracy.text()
+    assert f"±{s['mean_abs_error_pct']:.1f}%" in text and f"over {s['figures']} public figures" in text
+
+
+def test_predictions_print_the_error_band(tmp_path):
+    from click.testing import CliRunner
+
+    from core.dryrun import accuracy
+    from core.dryrun.record import predicted_record
+    from recipes.cli import main
+
+    band = accuracy.text()
+    assert predicted_record(cfg_with(T1_COMP))["error_band"] == band
+    res = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "8"], catch_exceptions=False)
+    assert res.exit_code == 0 and band in res.output
