@@ -254,10 +254,14 @@ class DryRunMode(RowMode):
 
     def run_elsewhere(self, row: Row) -> bool:
         click.echo(self.banner(row))
+        from core.dryrun.gemm import NoGemmRate
+
         try:
             launcher.run_dry(row.cfg, row.run_dir, self.options.gpu)
         except launcher.CannotRunHere as e:
             raise RowRefused(f"error: {e}", EXIT_CANNOT) from None
+        except NoGemmRate as e:  # a Float8 recipe the GPU spec has no measured rate for
+            raise RowRefused(f"error: {row.recipe.id}: {e}") from None
         result = row.run_dir / "result.json"
         dest = self.record(result, row.recipe, self.options.records)
         click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))

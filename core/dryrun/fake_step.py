@@ -217,8 +217,8 @@ def run_pipeline_rank(tr: TrainStep, dims: ParallelDims, args, tokens, labels) -
     p = cfg.parallelism
     n_layers = args.n_layers
     n_micro = pp_microbatches(p, n_layers)
-    actions = pipeline_order(p.pp_schedule, dims.pp, n_micro, stages_per_rank(p, n_layers))
-    actions = actions[tr.mesh["pp"].get_local_rank()]
+    table = pipeline_order(p.pp_schedule, dims.pp, n_micro, stages_per_rank(p, n_layers))
+    actions = table[tr.mesh["pp"].get_local_rank()]
     stages = {s.stage_index: s for s in tr.stages}
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else torch.float32
     live = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from importlib import resources
+from typing import Any, TypeGuard
 
 import tomllib
 
@@ -94,7 +95,7 @@ def known_gpus() -> list[str]:
     return sorted(f.name[:-5] for f in _dir().iterdir() if f.name.endswith(".toml"))
 
 
-def _positive(v) -> bool:
+def _positive(v: object) -> TypeGuard[float]:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
 
 
@@ -105,7 +106,7 @@ def _gemm_point(p, key: str, where: str) -> GemmPoint:
         if not (_positive(p.get(d)) and int(p[d]) == p[d]):
             raise SpecError(f"{where}: field {key}.{d} must be a positive integer, got {p.get(d)!r}")
     eff = p.get("efficiency")
-    if not _positive(eff) or eff > 1:
+    if not _positive(eff) or float(eff) > 1:
         raise SpecError(f"{where}: field {key}.efficiency must be a fraction of peak in (0, 1], got {eff!r}")
     src = p.get("source")
     if not isinstance(src, str) or not src.strip():
@@ -135,7 +136,7 @@ def _gemm_tables(data: dict, where: str) -> tuple:
 
 def parse_spec(data: dict, where: str) -> GPUSpec:
     """A GPUSpec from a parsed TOML document; SpecError naming the first bad field."""
-    values = {}
+    values: dict[str, Any] = {}  # the numeric fields, checked below
     for section, names in FIELDS.items():
         sec = data.get(section)
         if not isinstance(sec, dict):

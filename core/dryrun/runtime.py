@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
@@ -36,6 +37,11 @@ from core.dryrun.asynctp import block_collectives, exposed
 from core.dryrun.comms import mesh_links
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
+
+if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model stays torch-free to import
+    from core.config import JobConfig
+    from core.models.args import ModelArgs
+    from core.parallel.mesh import ParallelDims
 from core.dryrun.linears import block_linear_seconds, block_linears, gemm_kinds
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.models.args import model_args
@@ -279,11 +285,11 @@ class _Step:
     FSDP shard degree, the gradient accumulation steps and the seconds of one microbatch on a
     block, on the head and on the embedding."""
 
-    cfg: object
+    cfg: JobConfig
     spec: GPUSpec
-    args: object  # core.models.args.ModelArgs
+    args: ModelArgs
     shapes: Shapes
-    dims: object  # core.parallel.mesh.ParallelDims
+    dims: ParallelDims
     links: dict
     shard: int
     accum: int
