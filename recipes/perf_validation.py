@@ -173,7 +173,10 @@ def effects(figs: list[Figure]) -> list[dict]:
 
 
 def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
-    """results/perf_validation.csv and .md; core/dryrun/accuracy.toml (the error band)."""
+    """perf_validation.csv and .md in out_dir; when that is the project's results/, also the error
+    band the model states (core/dryrun/accuracy.toml): a validation written elsewhere changes nothing
+    the package ships."""
+    from recipes.launcher import results_root
     from recipes.results import write_csv
 
     rows = csv_rows(figs)
@@ -181,7 +184,8 @@ def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
     csv_path, md_path = write_csv(out_dir / "perf_validation.csv", rows, CSV_COLUMNS), out_dir / "perf_validation.md"
     s = summary(figs)
     atomic_write(md_path, _markdown(rows, s, effects(figs)))
-    accuracy.write(s)
+    if out_dir.resolve() == results_root().resolve():
+        accuracy.write(s)
     return csv_path, md_path
 
 
