@@ -205,7 +205,7 @@ class Checkpointer:
         if self.rank == 0:
             log.info(
                 f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s "
-                f"(checksums verified on {dist.get_world_size(self.pg)} ranks in {verified_s:.2f} s)"
+                f"(checksums verified, split over {dist.get_world_size(self.pg)} rank(s), in {verified_s:.2f} s)"
             )
             change = self._layout_change(read_info(Path(path)))
             if change:
