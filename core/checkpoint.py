@@ -109,14 +109,16 @@ class Checkpointer:
 
     `load()` before the loop, `maybe_save(step)` after each step, `close()` at the end.
     Async modes (checkpoint.async_mode):
-      async                  dcp.async_save in a thread on its own gloo group: the loop blocks
-                             only while the state is copied to CPU memory.
+      async                  dcp.async_save in a thread on the checkpoint's gloo group: the loop
+                             blocks only while the state is copied to CPU memory.
       async_with_pinned_mem  the copy itself runs in the background (torch's DefaultStager,
                              buffers allocated once and reused; pinned on CUDA) and the upload
                              in a separate process; the next optimizer step waits for the copy.
                              On CPU there is no pinned memory (DefaultStager needs CUDA for it and
                              for non-blocking copies): the copy is a background memcpy into the
                              reused buffers, which still takes it off the training thread.
+    In both, each rank checksums the files it wrote in a background thread too; the save is
+    published at the first step at which every rank is done (`all_done`).
     """
 
     def __init__(

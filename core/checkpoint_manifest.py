@@ -95,7 +95,7 @@ def read_manifest(path: Path) -> dict | None:
         files = data["files"]
         if data.get("algorithm", ALGORITHM) != ALGORITHM or not all(ALGORITHM in v for v in files.values()):
             raise KeyError(f"algorithm {data.get('algorithm')!r}, this reader checks {ALGORITHM}")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{f}: corrupted checkpoint manifest ({e})") from None
     return files
 
@@ -116,15 +116,24 @@ def verify_files(path: Path, files: dict, names: list[str]) -> tuple[str, str] |
     """Check the named manifest entries against the files of `path`: (name, why) of the first that
     is missing, of another size, or of another CRC32; None when all match."""
     for name in names:
-        want, g = files[name], path / name
-        if not g.is_file():
-            return name, f"{g}: missing (listed in {MANIFEST})"
-        size = g.stat().st_size
-        if size != want["size"]:
-            return name, f"{g}: {size} bytes, the manifest says {want['size']} (truncated or grown)"
-        if checksum(g) != want[ALGORITHM]:
-            return name, (
-                f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
-                "after the save (disk or copy corruption)"
-            )
+        try:
+            why = _mismatch(path / name, files[name])
+        except OSError as e:  # said like the others, so that every rank still joins the gather
+            why = f"{path / name}: unreadable ({type(e).__name__}: {e})"
+        if why:
+            return name, why
+    return None
+
+
+def _mismatch(g: Path, want: dict) -> str | None:
+    if not g.is_file():
+        return f"{g}: missing (listed in {MANIFEST})"
+    size = g.stat().st_size
+    if size != want["size"]:
+        return f"{g}: {size} bytes, the manifest says {want['size']} (truncated or grown)"
+    if checksum(g) != want[ALGORITHM]:
+        return (
+            f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
+            "after the save (disk or copy corruption)"
+        )
     return None
