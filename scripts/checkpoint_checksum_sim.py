@@ -2,8 +2,8 @@
 shard file (sparse: os.truncate, so no disk space is used) in a checkpoint folder's layout, then
 run what core/checkpoint.py runs after a save and before a load: each rank checksums the files it
 wrote, every rank gets the parts and rank 0 writes the manifest; each rank verifies its share.
-Prints each rank's checksum time and how long it then waited for the others (and, with
---baseline, the time rank 0 alone takes over every file, as before issue 27).
+Prints each rank's checksum time (wall and this rank's CPU) and how long it then waited for the
+others (and, with --baseline, the time rank 0 alone takes over every file, as before issue 27).
 
 Reading a sparse file's holes needs no disk: the first read fills the page cache with zero
 pages (timed apart, as `first_read_s`), after which CRC32 is CPU-bound. The timed passes run on
@@ -60,9 +60,9 @@ def save_side(folder: Path, rank: int, group) -> dict:
     """After the shards exist: own checksums, the gather, rank 0's manifest and rename."""
     tmp = tmp_dir(folder, 1)
     dist.barrier(group=group)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     mine = own_checksums(tmp, rank)
-    t1 = time.perf_counter()
+    t1, cpu = time.perf_counter(), time.thread_time() - cpu0
     parts = gather_checksums(mine, group)
     t2 = time.perf_counter()
     if rank == 0:
@@ -72,6 +72,7 @@ def save_side(folder: Path, rank: int, group) -> dict:
         "checksummed": sorted(mine["files"]),
         "checksum_gib": mine["bytes"] / 2**30,
         "checksum_s": t1 - t0,
+        "checksum_cpu_s": cpu,  # this rank's own work, whatever else shares the cores
         "gather_wait_s": t2 - t1,
     }
 
@@ -100,8 +101,9 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str) -> No
     if args.baseline:  # before issue 27: rank 0 alone over every file while the others wait
         dist.barrier(group=group)
         if rank == 0:
-            path = step_dir(folder, 1)
+            path, cpu0 = step_dir(folder, 1), time.thread_time()
             baseline = checksum_files(path, sorted(p.name for p in path.iterdir() if p.name.startswith("__")))
+            baseline["cpu_seconds"] = time.thread_time() - cpu0
         dist.barrier(group=group)
     if rank == 0:
         report(rows, baseline, folder, args)
@@ -117,6 +119,7 @@ def report(rows: list[dict], baseline: dict | None, folder: Path, args: argparse
         "manifest_files": len(manifest["files"]),
         "ranks": rows,
         "baseline_rank0_alone_s": baseline["seconds"] if baseline else None,
+        "baseline_rank0_alone_cpu_s": baseline["cpu_seconds"] if baseline else None,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "load_average_1m_at_end": os.getloadavg()[0],
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
@@ -125,15 +128,19 @@ def report(rows: list[dict], baseline: dict | None, folder: Path, args: argparse
         f"{len(rows)} ranks, {args.mib} MiB sparse shard each, {ALGORITHM}, {os.cpu_count()} cores, "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    print("rank  first_read_s  checksum_s  GiB/s  gather_wait_s  verify_s  verify_wait_s")
+    print("rank  first_read_s  checksum_s  cpu_s  GiB/s  gather_wait_s  verify_s  verify_wait_s")
     for r in rows:
         rate = r["checksum_gib"] / r["checksum_s"] if r["checksum_s"] else float("nan")
         print(
-            f"{r['rank']:>4}  {r['first_read_s']:>12.2f}  {r['checksum_s']:>10.2f}  {rate:>5.2f}  "
+            f"{r['rank']:>4}  {r['first_read_s']:>12.2f}  {r['checksum_s']:>10.2f}  {r['checksum_cpu_s']:>5.2f}  "
+            f"{rate:>5.2f}  "
             f"{r['gather_wait_s']:>13.2f}  {r['verify_s']:>8.2f}  {r['verify_wait_s']:>13.2f}"
         )
     if baseline:
-        print(f"rank 0 alone over all {len(rows)} shards (before issue 27): {baseline['seconds']:.2f} s")
+        print(
+            f"rank 0 alone over all {len(rows)} shards (before issue 27): {baseline['seconds']:.2f} s "
+            f"({baseline['cpu_seconds']:.2f} s CPU)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
