@@ -241,4 +241,4 @@ def test_scale_simulation_reports_each_rank(tmp_path):
         assert r["gather_wait_s"] >= 0
         assert r["verify_s"] > 0 and r["verify_wait_s"] >= 0
     assert report["manifest_files"] == 5 and report["baseline_rank0_alone_s"] > 0
-    assert "rank  checksum" in proc.stdout
+    assert "rank  first_read_s  checksum_s  cpu_s" in proc.stdout
