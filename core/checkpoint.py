@@ -8,7 +8,10 @@ Folder layout (`<job.output_dir>/<checkpoint.folder>/`)::
 
 A checkpoint is written into `step-N.tmp` and renamed to `step-N` by rank 0 only once DCP has
 finished on every rank (DCP's coordinator writes `.metadata` after all ranks reported their
-writes, then every rank's `save` returns), so "latest" is always a complete checkpoint.
+writes, then every rank's `save` returns) and every rank has checksummed the files it wrote into
+the manifest, so "latest" is always a complete checkpoint. Before a load, every rank verifies a
+share of the files. Every checkpoint collective runs on the checkpoint's own gloo group, with
+`comm.checkpoint_timeout_seconds` (core/checkpoint_dist.py).
 
 What is saved: core/checkpoint_state.py (one `Stateful` per kind of state, and the keys on disk).
 
@@ -16,13 +19,12 @@ The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, d
 `TrainState`) and hands DCP their `Stateful` views, which restore them in place; folder and file
 checks, error messages and the single-process tools are core/checkpoint_files.py.
 
-CLI: `python -m core.checkpoint export-hf CKPT OUT [--dtype bfloat16]`, `import-hf HF OUT`,
-`ls FOLDER`.
+CLI (core/checkpoint_files.py `main`): `python -m core.checkpoint export-hf CKPT OUT
+[--dtype bfloat16]`, `import-hf HF OUT`, `ls FOLDER`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -30,6 +32,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn
 
@@ -41,14 +44,23 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from core.checkpoint_dist import (
+    SaveProgress,
+    all_done,
+    checkpoint_group,
+    gather_checksums,
+    own_checksums,
+    slowest,
+    verification_plan,
+    verify_everywhere,
+)
 from core.checkpoint_files import (
     DTYPES,
     CheckpointException,
     _cause,
     check_files,
     check_shapes,
-    export_hf,
-    import_hf,
+    main,
     model_shape,
     read_metadata,
     save_error,
@@ -58,22 +70,20 @@ from core.checkpoint_folder import (
     MANIFEST,
     METADATA,
     CheckpointError,
-    complete_steps,
+    folder_bytes,
     publish,
     purge,
     read_info,
     resolve,
     stale_tmp_dirs,
     tmp_dir,
-    verify_before_load,
-    write_manifest,
 )
+from core.checkpoint_manifest import write_manifest
 from core.checkpoint_state import JsonState, ModelParts, ModelState, OptimizerState, RngState, dataloader_key
 from core.config import JobConfig
 from core.fileio import atomic_write_json
 from core.logs import get_logger
 from core.models.args import ModelArgs
-from core.noise import quiet_library_warnings
 
 log = get_logger(__name__)
 
@@ -99,14 +109,16 @@ class Checkpointer:
 
     `load()` before the loop, `maybe_save(step)` after each step, `close()` at the end.
     Async modes (checkpoint.async_mode):
-      async                  dcp.async_save in a thread on its own gloo group: the loop blocks
-                             only while the state is copied to CPU memory.
+      async                  dcp.async_save in a thread on the checkpoint's gloo group: the loop
+                             blocks only while the state is copied to CPU memory.
       async_with_pinned_mem  the copy itself runs in the background (torch's DefaultStager,
                              buffers allocated once and reused; pinned on CUDA) and the upload
                              in a separate process; the next optimizer step waits for the copy.
                              On CPU there is no pinned memory (DefaultStager needs CUDA for it and
                              for non-blocking copies): the copy is a background memcpy into the
                              reused buffers, which still takes it off the training thread.
+    In both, each rank checksums the files it wrote in a background thread too; the save is
+    published at the first step at which every rank is done (`all_done`).
     """
 
     def __init__(
@@ -138,14 +150,18 @@ class Checkpointer:
         self.loaded_from: Path | None = None
         self.last_bytes = 0  # size on disk of the last complete save (the space a save needs)
         self.stats: list[dict] = []  # per save: step, mode, blocking_s, total_s
-        self.pg = None
-        self.stager = None
+        # Its own gloo group with an I/O-sized timeout: the checkpoint's collectives never queue
+        # behind (or interleave with) the training collectives, and it works beside NCCL.
+        self.pg = checkpoint_group(self.cfg.comm.checkpoint_timeout_seconds)
+        self.stager = self.poll_pg = self.background = None
         if self.async_mode != "disabled":
-            # Its own gloo group: the background save's collectives never queue behind (or
-            # interleave with) the training collectives, and it works beside NCCL.
-            self.pg = dist.new_group(
+            # Whether a background save finished on every rank is agreed on this group each step
+            # (self.pg may be busy with the background save's own collectives then); its
+            # checksums run in this thread, off the training loop.
+            self.poll_pg = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
             )
+            self.background = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
         if self.async_mode == "async_with_pinned_mem":
             cuda = torch.cuda.is_available()
             self.stager = DefaultStager(
@@ -162,22 +178,20 @@ class Checkpointer:
         Returns whether anything was loaded (the step is then in the train state). Nothing on
         disk is modified except stale `step-N.tmp` folders of a run killed mid-save."""
         c = self.cfg.checkpoint
-        path = None
-        error = None
+        box: list = [None, None, None, 0]  # path, error, verification plan, bytes on disk
         if self.rank == 0:
             for stale in stale_tmp_dirs(self.folder):
                 log.info(f"[checkpoint] removed {stale}: a save that never completed (a run stopped mid-save)")
                 shutil.rmtree(stale, ignore_errors=True)
             try:
                 path = resolve(self.folder, c.load_step, c.resume_from)
-                if path is not None:  # checksums first: a damaged file is named, never loaded
-                    self.last_bytes = verify_before_load(path)
+                if path is not None:
+                    box = [path, None, verification_plan(path, dist.get_world_size(self.pg)), folder_bytes(path)]
             except CheckpointError as e:
-                error = str(e)
+                box[1] = str(e)
         # rank 0 decides for everyone (they must all load the same step)
-        box = [path, error]
-        dist.broadcast_object_list(box, src=0)
-        path, error = box
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        path, error, plan, self.last_bytes = box
         if error:
             raise CheckpointError(error)
         if path is None:
@@ -185,10 +199,16 @@ class Checkpointer:
                 self.save(0, seed=True)
             return False
         t0 = time.perf_counter()
+        if plan is not None:  # checksums first, each rank its share: a damaged file is named, never loaded
+            verify_everywhere(Path(path), plan, self.pg)
+        verified_s = time.perf_counter() - t0
         step = self._load(Path(path))
         self.loaded_from = Path(path)
         if self.rank == 0:
-            log.info(f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s")
+            log.info(
+                f"[checkpoint] loaded {path} (step {step}) in {time.perf_counter() - t0:.2f} s "
+                f"(checksums verified, split over {dist.get_world_size(self.pg)} rank(s), in {verified_s:.2f} s)"
+            )
             change = self._layout_change(read_info(Path(path)))
             if change:
                 log.warning(f"[checkpoint] resharded on load: {change}")
@@ -202,9 +222,9 @@ class Checkpointer:
         items = self._load_items(path, stored, info)
         templates = {k: v.state_dict() for k, v in items.items()}
         check_shapes(path, metadata, templates, info, self.model_args)
-        self._check_no_foreign_weights(path, stored, templates["model"])
+        self._check_no_foreign_weights(path, stored, templates["model"], self.pg)
         with dcp_errors(lambda e: _raise(CheckpointError(f"{path}: DCP load failed: {_cause(e)}"))):
-            dcp.load(items, checkpoint_id=str(path))
+            dcp.load(items, checkpoint_id=str(path), process_group=self.pg)
         return self.train_state.step if "train_state" in items else int(info.get("step", 0))
 
     def _load_items(self, path: Path, stored: dict, info: dict) -> dict[str, Stateful]:
@@ -229,11 +249,11 @@ class Checkpointer:
         return items
 
     @staticmethod
-    def _check_no_foreign_weights(path: Path, stored: dict, model: dict) -> None:
+    def _check_no_foreign_weights(path: Path, stored: dict, model: dict, group) -> None:
         """Weights nobody here loads mean another model (a deeper one shares our first layers);
         a pipeline stage loads a subset, so compare with the union over all ranks."""
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, sorted(model))
+        names = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names, sorted(model), group=group)
         extra = sorted(
             {k.removeprefix("model.") for k in stored if k.startswith("model.")} - set().union(*map(set, names))
         )
@@ -324,11 +344,12 @@ class Checkpointer:
         tmp = tmp_dir(self.folder, step)
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+        progress = SaveProgress(step, self.rank)
         # The last save has nothing left to overlap with: synchronous.
         if self.async_mode == "disabled" or last or seed:
-            with dcp_errors(lambda e: self._failed(step, tmp, "save", e)):
-                dcp.save(state, checkpoint_id=str(tmp))
-            self._finalize(step, tmp, info)
+            with dcp_errors(lambda e: self._failed(step, tmp, "save", e)), progress.phase("DCP write"):
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.pg)
+            self._finalize(step, tmp, info, progress)
             dt = time.perf_counter() - t0
             self.stats.append({"step": step, "mode": "sync", "blocking_s": dt, "wait_s": 0.0, "total_s": dt})
             return
@@ -353,8 +374,15 @@ class Checkpointer:
             "staging": staging,
             "t0": t0,
             "blocking_s": time.perf_counter() - t0,
+            "progress": progress,
         }
         upload.add_done_callback(lambda _: p.setdefault("done_at", time.perf_counter()))
+        p["checksums"] = self.background.submit(self._upload_then_checksums, upload, tmp)
+
+    def _upload_then_checksums(self, upload, tmp: Path) -> dict:
+        """In the background: wait for this rank's write, then checksum the files it wrote."""
+        upload.result()
+        return own_checksums(tmp, self.rank)
 
     def maybe_wait_for_staging(self) -> None:
         p = self.pending
@@ -365,7 +393,8 @@ class Checkpointer:
             p["blocking_s"] += time.perf_counter() - t0
 
     def _poll(self) -> None:
-        if self.pending is not None and self.pending["upload"].done():
+        """Publish the background save once it finished on every rank (the same step everywhere)."""
+        if self.pending is not None and all_done(self.pending["checksums"].done(), self.poll_pg):
             self._wait_pending()
 
     def _wait_pending(self, in_loop: bool = True) -> None:
@@ -376,11 +405,14 @@ class Checkpointer:
         with dcp_errors(lambda e: self._failed(p["step"], p["tmp"], "async save", e)):
             if p["staging"] is not None:
                 p["staging"].result()
-            p["upload"].result()
+            mine = p["checksums"].result()  # the upload, then this rank's checksums
         if in_loop:  # the end-of-run flush is not loop time
             p["wait_s"] = time.perf_counter() - t0  # the next save waited for this upload
             p["blocking_s"] += p["wait_s"]
-        self._finalize(p["step"], p["tmp"], p["info"])
+        progress = p["progress"]
+        progress.add("DCP write (background)", p.get("done_at", time.perf_counter()) - p["t0"])
+        progress.add("checksums", mine.get("seconds", 0.0))
+        self._finalize(p["step"], p["tmp"], p["info"], progress, mine)
         self.stats.append(
             {
                 "step": p["step"],
@@ -391,18 +423,30 @@ class Checkpointer:
             }
         )
 
-    def _finalize(self, step: int, tmp: Path, info: dict) -> None:
-        """Rank 0, after DCP finished on every rank: titan.json, then the manifest of checksums
-        (last), then mark complete by an atomic rename."""
-        if self.rank != 0:
-            return
-        try:
-            atomic_write_json(tmp / INFO, info, indent=1)
-            self.last_bytes = write_manifest(tmp)
-            publish(tmp, self.folder, step)
-        except OSError as e:
-            self._failed(step, tmp, "finalize", e)
-        purge(self.folder, self.keep_latest_k)
+    def _finalize(self, step: int, tmp: Path, info: dict, progress: SaveProgress, mine: dict | None = None) -> None:
+        """After DCP finished on every rank: each rank checksums the files it wrote (`mine`, when
+        an async save did it in the background) and every rank gets all the parts; rank 0 writes
+        titan.json, then the manifest (last), then marks the checkpoint complete by a rename."""
+        if mine is None:
+            with progress.phase("checksums"):
+                mine = own_checksums(tmp, self.rank)
+        with progress.phase("waiting for the other ranks' checksums"):
+            parts = gather_checksums(mine, self.pg)
+        errors = [p["error"] for p in parts if "error" in p]
+        if errors:  # every rank raises; rank 0 removes the folder
+            self._failed(step, tmp, "checksums", errors[0])
+        self.last_bytes = sum(p["bytes"] for p in parts)
+        progress.notes["checksums"] = slowest(parts)
+        if self.rank == 0:
+            try:
+                with progress.phase("manifest and rename"):
+                    atomic_write_json(tmp / INFO, info, indent=1)
+                    self.last_bytes = write_manifest(tmp, parts)
+                    publish(tmp, self.folder, step)
+            except OSError as e:
+                self._failed(step, tmp, "finalize", e)
+            purge(self.folder, self.keep_latest_k)
+        progress.done()
 
     def _failed(self, step: int, tmp: Path, what: str, e: BaseException) -> None:
         """A failed save: remove its partial folder (rank 0), keep the latest complete checkpoint,
@@ -417,40 +461,13 @@ class Checkpointer:
         try:
             self._wait_pending(in_loop=False)
         finally:
+            if self.background is not None:
+                self.background.shutdown()
+                self.background = None
             if self.stager is not None:
                 self._hook.remove()
                 self.stager.close()
                 self.stager = None
-
-
-# ------------------------------------------------------------------------------------ CLI
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core.checkpoint", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export-hf", help="DCP checkpoint (step folder, or a folder of them: latest) -> HF Llama")
-    e.add_argument("checkpoint")
-    e.add_argument("out")
-    e.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    i = sub.add_parser("import-hf", help="HF Llama folder -> model-only DCP checkpoint")
-    i.add_argument("hf_folder")
-    i.add_argument("out")
-    ls = sub.add_parser("ls", help="complete checkpoints of a folder")
-    ls.add_argument("folder")
-    a = parser.parse_args(argv)
-    quiet_library_warnings()
-    try:
-        if a.cmd == "export-hf":
-            print(export_hf(a.checkpoint, a.out, a.dtype))
-        elif a.cmd == "import-hf":
-            print(import_hf(a.hf_folder, a.out))
-        else:
-            for step, path in complete_steps(a.folder).items():
-                info = read_info(path)
-                print(f"{step:>8}  {info.get('kind', '?'):5}  {info.get('dtype', '?'):8}  {path}")
-    except (CheckpointError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

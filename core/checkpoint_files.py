@@ -1,13 +1,16 @@
 """A checkpoint's contents, without a process group: DCP's errors in one line, its metadata and
 shards checked before anything is loaded, and the single-process tools (full weights, Hugging
-Face export / import). The folder's layout and names: core/checkpoint_folder.py."""
+Face export / import, and `main`: their command line, `python -m core.checkpoint`). The folder's
+layout and names: core/checkpoint_folder.py."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ from core.config import flatten_keys
 from core.fileio import atomic_write_json
 from core.models.args import ModelArgs, model_shape
 from core.models.hf_convert import load_hf, save_hf
+from core.noise import quiet_library_warnings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ModelArgs fields that fix parameter shapes: a checkpoint must agree on all of them.
@@ -185,3 +189,36 @@ def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 
     atomic_write_json(tmp / INFO, info, indent=1)
     rename_complete(tmp, out)
     return out
+
+
+# ------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> int:
+    """`python -m core.checkpoint`: the single-process tools on the command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m core.checkpoint", description="DCP checkpoints: Hugging Face export and import, listing"
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export-hf", help="DCP checkpoint (step folder, or a folder of them: latest) -> HF Llama")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+    e.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    i = sub.add_parser("import-hf", help="HF Llama folder -> model-only DCP checkpoint")
+    i.add_argument("hf_folder")
+    i.add_argument("out")
+    ls = sub.add_parser("ls", help="complete checkpoints of a folder")
+    ls.add_argument("folder")
+    a = parser.parse_args(argv)
+    quiet_library_warnings()
+    try:
+        if a.cmd == "export-hf":
+            print(export_hf(a.checkpoint, a.out, a.dtype))
+        elif a.cmd == "import-hf":
+            print(import_hf(a.hf_folder, a.out))
+        else:
+            for step, path in complete_steps(a.folder).items():
+                info = read_info(path)
+                print(f"{step:>8}  {info.get('kind', '?'):5}  {info.get('dtype', '?'):8}  {path}")
+    except (CheckpointError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

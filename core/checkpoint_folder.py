@@ -12,10 +12,8 @@ import json
 import os
 import re
 import shutil
-import zlib
 from pathlib import Path
 
-from core.fileio import atomic_write_json
 from core.logs import get_logger
 
 log = get_logger(__name__)
@@ -24,8 +22,7 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 TMP = ".tmp"
 INFO = "titan.json"
 METADATA = ".metadata"
-MANIFEST = "manifest.json"  # per-file sizes and CRC32s, written last
-CHUNK = 1 << 22
+MANIFEST = "manifest.json"  # per-file sizes and CRC32s, written last (core/checkpoint_manifest.py)
 
 
 class CheckpointError(RuntimeError):
@@ -107,59 +104,8 @@ def incomplete_steps(folder: str | os.PathLike) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_manifest(folder: Path) -> int:
-    """Record every file's size and CRC32 in `MANIFEST`, written last (through a temporary name)
-    so that its presence means the rest was complete. Returns the folder's total bytes."""
-    # the DCP files; titan.json is ours, checked as it is parsed, and may be edited or dropped
-    files = {
-        p.name: {"size": p.stat().st_size, "crc32": _crc32(p)}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in (MANIFEST, INFO)
-    }
-    atomic_write_json(folder / MANIFEST, {"algorithm": "crc32", "files": files}, indent=1)
-    return sum(f["size"] for f in files.values()) + (folder / INFO).stat().st_size
-
-
-def verify_manifest(path: Path) -> None:
-    """Every file the manifest lists is there, of its size and CRC32; CheckpointError naming the
-    first that is not. Checkpoints written before manifests existed (no file) pass."""
-    f = path / MANIFEST
-    if not f.is_file():
-        if read_info(path).get("manifest"):
-            raise CheckpointError(f"{f}: missing, though {INFO} says the checkpoint was saved with one")
-        return
-    try:
-        files = json.loads(f.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{f}: corrupted checkpoint manifest ({e})") from None
-    for name, want in files.items():
-        g = path / name
-        if not g.is_file():
-            raise CheckpointError(f"{g}: missing (listed in {MANIFEST})")
-        size = g.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(f"{g}: {size} bytes, the manifest says {want['size']} (truncated or grown)")
-        if _crc32(g) != want["crc32"]:
-            raise CheckpointError(
-                f"{g}: CRC32 mismatch at the same size ({size} bytes): the content changed "
-                "after the save (disk or copy corruption)"
-            )
-
-
-def verify_before_load(path: Path) -> int:
-    """verify_manifest, with how to go on from the previous step when it fails; the bytes on disk."""
-    try:
-        verify_manifest(path)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}; {damaged_hint(path, path.parent)}") from None
+def folder_bytes(path: Path) -> int:
+    """The bytes of a checkpoint folder's files (the space another save needs)."""
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 

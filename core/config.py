@@ -271,6 +271,9 @@ class Metrics:
 class Comm:
     init_timeout_seconds: int = field(default=300, metadata={"doc": "first step (compile, lazy init) may be slow"})
     train_timeout_seconds: int = field(default=100, metadata={"doc": "after the first step"})
+    checkpoint_timeout_seconds: int = field(
+        default=1800, metadata={"doc": "the checkpoint's own group (save, load, manifest): sized for file-system I/O"}
+    )
     trace_buf_size: int = field(
         default=0, metadata={"doc": "Flight Recorder entries (TORCH_FR_BUFFER_SIZE); 0 disables"}
     )

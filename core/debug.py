@@ -14,7 +14,8 @@ Read dumps: `python -m core.debug fr <dir>` (our summary: who is behind, in whic
 which collective) or `python -m core.debug fr <dir> --torchfrtrace` (torch's analyser).
 
 Timeouts (as torchtitan): `comm.init_timeout_seconds` for process-group creation and the first
-step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group.
+step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group
+but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint_dist.py).
 
 Fault injection (tests; environment, first launch attempt only):
   TITAN_DEBUG_PAUSE="STEP:SECONDS[:RANK,RANK...]"  after STEP (and its checkpoint) the listed

@@ -144,7 +144,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(f"checkpoint.load_step: must be >= 0, or -1 for the latest, got {cfg.checkpoint.load_step}")
     if cfg.checkpoint.folder in ("", ".", "..") or os.path.isabs(cfg.checkpoint.folder):
         raise ConfigError(f"checkpoint.folder: {cfg.checkpoint.folder!r} must be a sub-folder name of job.output_dir")
-    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+    for key in ("init_timeout_seconds", "train_timeout_seconds", "checkpoint_timeout_seconds"):
         if getattr(cfg.comm, key) <= 0:
             raise ConfigError(f"comm.{key}: must be > 0, got {getattr(cfg.comm, key)}")
     if cfg.comm.trace_buf_size < 0:

@@ -11,6 +11,10 @@ pays torchrun's and torch's start-up once.
 
 A job whose result.json exists is skipped, so a group restarted by torchrun (--max-restarts)
 goes on with the job that was interrupted, which resumes from its own checkpoints.
+
+Plan options for the checksum tests: "record_checksums": true writes, per job and rank, the
+files that rank checksummed (<root>/<name>/checksums_rank_R.json); a job with "expect_error":
+true that raises CheckpointError writes it to <root>/<name>/error_rank_R.txt and the group goes on.
 """
 
 import json
@@ -24,6 +28,8 @@ def main() -> None:
     # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
+    from core import checkpoint_manifest
+    from core.checkpoint_folder import CheckpointError
     from core.config import load_config
     from core.train import init_distributed, run
     from core.validate import validate
@@ -32,15 +38,28 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     first = plan["jobs"][0]
     init_distributed(validate(load_config(None, first["overrides"]), world))
+    hashed: list[str] = []
+    if plan.get("record_checksums"):
+        checksum = checkpoint_manifest.checksum
+        checkpoint_manifest.checksum = lambda path: hashed.append(str(path)) or checksum(path)
     for job in plan["jobs"]:
         out = Path(plan["root"]) / job["name"]
         if (out / "result.json").exists():
             continue
         cfg = validate(load_config(None, [*job["overrides"], f"--job.output_dir={out}"]), world)
         os.environ.update(job.get("env", {}))
-        run(cfg)
+        try:
+            run(cfg)
+        except CheckpointError as e:
+            if not job.get("expect_error"):
+                raise
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"error_rank_{dist.get_rank()}.txt").write_text(str(e))
         for key in job.get("env", {}):
             del os.environ[key]
+        if plan.get("record_checksums"):
+            (out / f"checksums_rank_{dist.get_rank()}.json").write_text(json.dumps(hashed))
+            hashed.clear()
         dist.barrier()
     dist.destroy_process_group()
 
