@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import gzip
 import json
 import typing
 
@@ -131,6 +132,8 @@ def test_missing_files_are_named(tmp_path):
     cfg = load_config(None, [f"data.path={tmp_path}/nope", "data.dataset=c4_offline"])
     with pytest.raises(ConfigError, match="data.path"):
         validate(cfg)
+    (tmp_path / "en").mkdir()  # a corpus that passes its own check: one gzip shard
+    (tmp_path / "en" / "c4-train.00000-of-00001.json.gz").write_bytes(gzip.compress(b'{"text": "a"}\n'))
     cfg = load_config(None, [f"data.path={tmp_path}", f"tokenizer.path={tmp_path}/tok.model"])
     with pytest.raises(ConfigError, match="tokenizer.path"):
         validate(cfg)
