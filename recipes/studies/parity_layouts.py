@@ -17,16 +17,23 @@ DTYPE_OVERRIDES = {
     "fp32": ["--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32"],
     "bf16": ["--training.mixed_precision_param=bfloat16", "--training.mixed_precision_reduce=float32"],
 }
-BASE = [
-    "--data.dataset=synthetic",
-    f"--training.seq_len={SEQ_LEN}",
-    f"--training.steps={STEPS}",
-    "--optimizer.lr=1e-3",
-    "--lr_scheduler.warmup_steps=2",
-    "--training.max_norm=0.3",
-    "--metrics.progress=false",
-    "--job.seed=0",
-]
+
+
+def base_job(steps: int = STEPS) -> list[str]:
+    """The tiny synthetic job every parity layout (and preflight) runs: seq 64, clipping active."""
+    return [
+        "--data.dataset=synthetic",
+        f"--training.seq_len={SEQ_LEN}",
+        f"--training.steps={steps}",
+        "--optimizer.lr=1e-3",
+        "--lr_scheduler.warmup_steps=2",
+        "--training.max_norm=0.3",
+        "--metrics.progress=false",
+        "--job.seed=0",
+    ]
+
+
+BASE = base_job()
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # flavor per pipeline depth: looped schedules hold 2 stages per rank, one layer each at least
 PP_FLAVOR = {2: "tiny4", 4: "tiny8"}

@@ -31,6 +31,7 @@ import click
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes
+from recipes.studies.parity_layouts import base_job
 
 STEPS = 6
 PARITY_TOL = 1e-5  # fp32 on CPU gloo: only the summation order differs (as recipes/studies/parity.py)
@@ -38,17 +39,10 @@ PARITY_TOL = 1e-5  # fp32 on CPU gloo: only the summation order differs (as reci
 # single GPU (inductor fuses pointwise ops and reassociates fp32 sums): a bound, not a fit: an fp32
 # sum of K = 4096 terms in another order moves by up to about K x 2^-23 = 4.9e-4 relative.
 PARITY_TOL_REAL = 5e-4  # relative to the loss
-BASE = [
+BASE = [  # the parity suite's tiny job (seq 64), on the 4-layer flavor, in fp32
     "--model.flavor=tiny4",
-    "--data.dataset=synthetic",
-    "--training.seq_len=64",
+    *base_job(STEPS),
     "--training.local_batch_size=8",
-    f"--training.steps={STEPS}",
-    "--optimizer.lr=1e-3",
-    "--lr_scheduler.warmup_steps=2",
-    "--training.max_norm=0.3",
-    "--metrics.progress=false",
-    "--job.seed=0",
     "--training.mixed_precision_param=float32",
     "--training.mixed_precision_reduce=float32",
 ]
