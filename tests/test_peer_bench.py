@@ -17,6 +17,7 @@ from core.validate import validate
 from recipes.cli import main
 from recipes.peer_bench import command, environment, runs
 from recipes.peer_bench.patches import PATCHES, Patch, PatchError, apply_all, apply_patch, patch_state
+from tests.fault_utils import no_spawn  # noqa: F401 - a fixture: any subprocess fails the test
 
 pytestmark = pytest.mark.core
 
@@ -205,15 +206,9 @@ def test_csv_append_refuses_a_file_with_other_columns(tmp_path):
 # ------------------------------------------------------------------------------ the command
 @pytest.fixture
 def nothing_runs(monkeypatch):
-    """Any setup, run or subprocess fails the test."""
-
-    def boom(*a, **k):
-        raise AssertionError(f"started something: {a}")
-
-    monkeypatch.setattr(environment, "setup", boom)
-    monkeypatch.setattr(command, "compare", boom)
-    monkeypatch.setattr(subprocess, "run", boom)
-    monkeypatch.setattr(subprocess, "Popen", boom)
+    """Setting up or running fails the test (with no_spawn: so does any subprocess)."""
+    monkeypatch.setattr(environment, "setup", lambda *a: pytest.fail("set up"))
+    monkeypatch.setattr(command, "compare", lambda *a: pytest.fail("ran"))
 
 
 @pytest.mark.parametrize(
@@ -228,7 +223,8 @@ def nothing_runs(monkeypatch):
         (["--nproc", "64"], "proxy_world_limit"),
     ],
 )
-def test_bad_options_are_refused_before_anything_starts(nothing_runs, args, says):
+@pytest.mark.usefixtures("no_spawn", "nothing_runs")
+def test_bad_options_are_refused_before_anything_starts(args, says):
     res = CliRunner().invoke(main, ["peer-bench", *args])
     assert res.exit_code == 2, res.output
     assert says in res.output
