@@ -51,6 +51,7 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
         "recipes.studies.preflight:preflight",
         "First command on a new node: every feature the rows need, a verdict each, 1D parity.",
     ),
+    "peer-bench": ("recipes.peer_bench.command:peer_bench", "Tokens/s beside torchtitan 0.3.0 on this CPU."),
     "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
     "toggles-bench": (
         "recipes.studies.toggles_bench:toggles_bench",
