@@ -155,9 +155,13 @@ PEER_ISA = {"amx": "AMX", "no-amx": "AVX-512, no AMX", "no-amx/no-avx512": "no A
 
 
 def _cpu_and_isa(text: str) -> tuple[str, str]:
-    """peer_torchtitan.csv writes 'NAME (ISA tag)'."""
+    """peer_torchtitan.csv writes 'NAME (ISA tag)' (older rows) or core.metrics.cpu_model()'s
+    'NAME, ISA' (run-recipe peer-bench)."""
     m = re.fullmatch(r"(.*?) \((.*)\)", text.strip())
-    return (m.group(1), PEER_ISA.get(m.group(2), m.group(2))) if m else (text.strip() or NOT_RECORDED, NOT_RECORDED)
+    if m:
+        return m.group(1), PEER_ISA.get(m.group(2), m.group(2))
+    name, _, isa = text.strip().partition(", ")
+    return name or NOT_RECORDED, isa or NOT_RECORDED
 
 
 def peer_section(path: Path, out_dir: Path) -> list[str]:
