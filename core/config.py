@@ -186,6 +186,13 @@ class Parallelism:
     pp_split_points: list[int] = field(
         default_factory=list, metadata={"doc": "first layer of stages 1.. (overrides the above)"}
     )
+    pp_static_shapes: bool = field(
+        default=False,
+        metadata={
+            "doc": "give each pipeline stage its inputs/outputs from the config (microbatch, seq over cp/tp, dim, "
+            "dtype, vocab) instead of torch inferring them at step 1 by a forward+backward of each stage in turn"
+        },
+    )
     cp_rotate_method: CPRotate = field(
         default="allgather", metadata={"doc": "how ring attention passes k/v: allgather | alltoall"}
     )
