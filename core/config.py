@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import typing
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +19,7 @@ import tomllib
 
 from core.errors import ConfigError
 from core.fileio import atomic_write_json
+from core.overrides import parse_override
 from core.parallel.stages import PPSchedule
 
 # ------------------------------------------------------------------------------- enum-like fields
@@ -185,6 +185,13 @@ class Parallelism:
     pp_stages_per_rank: int = field(default=0, metadata={"doc": "0: 1 for single-stage schedules, 2 for looped ones"})
     pp_split_points: list[int] = field(
         default_factory=list, metadata={"doc": "first layer of stages 1.. (overrides the above)"}
+    )
+    pp_static_shapes: bool = field(
+        default=False,
+        metadata={
+            "doc": "give each pipeline stage its inputs/outputs from the config (microbatch, seq over cp/tp, dim, "
+            "dtype, vocab) instead of torch inferring them at step 1 by a forward+backward of each stage in turn"
+        },
     )
     cp_rotate_method: CPRotate = field(
         default="allgather", metadata={"doc": "how ring attention passes k/v: allgather | alltoall"}
@@ -400,72 +407,6 @@ def apply_dict(cfg: JobConfig, data: dict[str, Any], source: str = "config") -> 
                 raise ConfigError(f"{section}.{key}: unknown key in {source} (valid: {', '.join(hints)})")
             setattr(obj, key, _coerce(f"{section}.{key}", value, hints[key]))
     return cfg
-
-
-# An override is one line of visible text: a value longer than a path can be, or an integer
-# beyond TOML's 64 bits, is a mistake (or an attack on the parser), refused naming the key.
-MAX_OVERRIDE_CHARS = 4096
-MAX_OVERRIDE_INT = 2**63 - 1
-
-
-def _cut(text: str, n: int = 60) -> str:
-    """A value as a message shows it: quoted, control characters escaped, at most n characters."""
-    shown = repr(text[:n])
-    return shown + (f" ... ({len(text):,} characters)" if len(text) > n else "")
-
-
-def _invisible(text: str) -> tuple[int, str] | None:
-    """(index, character) of the first control, format (zero-width) or line-separator character."""
-    for i, ch in enumerate(text):
-        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
-            return i, ch
-    return None
-
-
-def _check_override_text(dotted: str, raw: str) -> None:
-    bad = _invisible(dotted)
-    if bad:
-        i, ch = bad
-        raise ConfigError(
-            f"{_cut(dotted)}: the key holds an invisible character U+{ord(ch):04X} "
-            f"({unicodedata.name(ch, 'control')}) at position {i}: type it again"
-        )
-    bad = _invisible(raw)
-    if bad:
-        i, ch = bad
-        raise ConfigError(
-            f"{dotted}: the value holds U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}) at "
-            f"position {i}: an override is one line of visible text (got {_cut(raw)})"
-        )
-    if len(raw) > MAX_OVERRIDE_CHARS:
-        raise ConfigError(
-            f"{dotted}: the value is {len(raw):,} characters, over {MAX_OVERRIDE_CHARS:,} (got {_cut(raw)})"
-        )
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """'section.key=value' (a leading '--' is allowed) -> (section, key, value).
-
-    The value is read as a TOML literal (numbers, booleans, quoted strings, lists); anything
-    that is not a valid literal is taken as a bare string. One line of visible text only.
-    """
-    body = text.removeprefix("--")
-    if "=" not in body:
-        raise ConfigError(f"{_cut(text)}: an override must look like section.key=value")
-    dotted, raw = body.split("=", 1)
-    _check_override_text(dotted, raw)
-    if dotted.count(".") != 1:
-        raise ConfigError(f"{_cut(dotted)}: an override key must be section.key")
-    section, key = dotted.split(".")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except (tomllib.TOMLDecodeError, ValueError):  # ValueError: Python's limit on int digits
-        value = raw
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OVERRIDE_INT:
-        raise ConfigError(f"{dotted}: {_cut(raw)} is beyond a 64-bit integer")
-    if isinstance(value, str) and value == raw and raw.strip().lstrip("+-").isdigit():
-        raise ConfigError(f"{dotted}: {_cut(raw)} is not an integer TOML can read (too many digits)")
-    return section, key, value
 
 
 def load_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -15,7 +15,9 @@ which collective) or `python -m core.debug fr <dir> --torchfrtrace` (torch's ana
 
 Timeouts (as torchtitan): `comm.init_timeout_seconds` for process-group creation and the first
 step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group
-but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint_dist.py).
+but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint_dist.py). A compiled
+pipeline's first step compiles rank after rank, so its timeout grows with pp (`first_step_timeout`,
+stated in the result record).
 
 Fault injection (tests; environment, first launch attempt only):
   TITAN_DEBUG_PAUSE="STEP:SECONDS[:RANK,RANK...]"  after STEP (and its checkpoint) the listed
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,37 @@ PAUSE_ENV = "TITAN_DEBUG_PAUSE"
 
 
 # ----------------------------------------------------------------------------------- timeouts
+# One pipeline stage's cold compile (its block graph, forward and backward; one graph serves every
+# block and stage of a rank). Measured by scripts/pp_cold_compile.py on the project's 2-core CPU
+# (torch 2.13 CPU, inductor's C++ and gcc, each rank on its own empty cache; compile + full AC +
+# bf16 + Float8 emulated): 65, 59 and 67 s of CPU per stage at pp 2 x 2 blocks, pp 2 x 4 blocks
+# and pp 4 x 2 blocks: per stage, not per block. The constant is 1.8x the largest: the 405B rows'
+# GPU graphs (Triton kernels, AsyncTP's split matmuls, TP collectives) were not measured here.
+COLD_STAGE_COMPILE_S = 120
+
+
+class FirstStepTimeout(NamedTuple):
+    seconds: float
+    reason: str
+
+
+def first_step_timeout(cfg) -> FirstStepTimeout:
+    """The timeout of every group until the first step is done. A compiled pipeline's first step
+    runs in pipeline order, each rank compiling before the next can go on: torch's dynamic shape
+    inference (a forward and backward of each stage in turn, ranks blocked in recv_object_list)
+    or, with parallelism.pp_static_shapes, the first microbatch itself. The last rank waits for
+    about pp cold compiles, on top of what comm.init_timeout_seconds covers."""
+    base, p = cfg.comm.init_timeout_seconds, cfg.parallelism
+    if p.pp == 1 or not cfg.compile.enabled:
+        return FirstStepTimeout(base, "comm.init_timeout_seconds")
+    how = "static shapes: the first microbatch" if p.pp_static_shapes else "dynamic shape inference"
+    return FirstStepTimeout(
+        base + p.pp * COLD_STAGE_COMPILE_S,
+        f"comm.init_timeout_seconds ({base} s) + pp {p.pp} x {COLD_STAGE_COMPILE_S} s (one stage's cold "
+        f"compile, core.debug.COLD_STAGE_COMPILE_S): the first step compiles stage after stage ({how})",
+    )
+
+
 def set_pg_timeouts(seconds: float, exclude=()) -> int:
     """Set the timeout of every process group this rank belongs to (except `exclude`).
     Returns how many groups were changed."""

@@ -31,7 +31,14 @@ from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
 from core.data.datasets import build_dataloader
 from core.data.shards import CorpusError
 from core.data.tokenizer import Tokenizer
-from core.debug import dump_flight_recorder, dump_on_sigterm, maybe_pause, set_pg_timeouts, setup_flight_recorder
+from core.debug import (
+    dump_flight_recorder,
+    dump_on_sigterm,
+    first_step_timeout,
+    maybe_pause,
+    set_pg_timeouts,
+    setup_flight_recorder,
+)
 from core.hardware import check_real_devices, check_toggle_hardware
 from core.lazy_imports import import_for
 from core.logs import get_logger
@@ -70,7 +77,7 @@ def init_distributed(cfg: JobConfig) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    timeout = datetime.timedelta(seconds=first_step_timeout(cfg).seconds)  # until the first step is done
     setup_flight_recorder(cfg)  # its environment must exist before the process group
     dump_on_sigterm(cfg)
     if "RANK" in os.environ:  # torchrun
@@ -124,7 +131,7 @@ class Trainer:
         cpu_gemm.use(cpu_gemm.resolve(cfg.training.bf16_gemm, self.device, cfg.training.mixed_precision_param))
         self.out_dir = Path(cfg.job.output_dir)
         self.dims = ParallelDims.from_config(cfg.parallelism)
-        self.mesh = self.dims.build_mesh(self.device.type, cfg.comm.init_timeout_seconds)
+        self.mesh = self.dims.build_mesh(self.device.type, first_step_timeout(cfg).seconds)
         self.toggles = Toggles()
         torch.manual_seed(cfg.job.seed)
         if cfg.job.deterministic:
@@ -391,6 +398,7 @@ def run(cfg: JobConfig, startup_s: dict[str, float | None] | None = None) -> dic
     trainer = Trainer(cfg)
     t_init = time.perf_counter() - t0
     record = trainer.train()
+    record["first_step_timeout_s"], record["first_step_timeout_reason"] = first_step_timeout(cfg)
     if cfg.compile.enabled:  # a cold first step compiles: say whether the graphs came from the cache
         record["compile_shared_cache"] = compile_cache.active()  # compile.shared_cache, as resolved
         for cache, lookups in compile_cache.counts_of_all_ranks(cache_before).items():

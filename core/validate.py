@@ -16,8 +16,8 @@ from typing import Literal
 from core.config import JobConfig, Parallelism, field_types
 from core.data.shards import CorpusError, check_corpus
 from core.errors import ConfigError
-from core.models.args import FLAVORS, check_shape
-from core.parallel.stages import check_pipeline
+from core.models.args import FLAVORS, ModelArgs, check_shape, model_args
+from core.parallel.stages import check_pipeline, static_stage_shapes
 
 
 def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -105,12 +105,13 @@ def _check_values(cfg: JobConfig) -> None:
             raise ConfigError(f"{key}: must be finite and {what}, got {v}")
 
 
-def _check_tokenizer(cfg: JobConfig) -> None:
-    """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank loads it."""
+def _check_tokenizer(cfg: JobConfig) -> int:
+    """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank
+    loads it. Returns its vocabulary size."""
     from core.data.tokenizer import Tokenizer  # here: tiktoken is only needed when files are checked
 
     try:
-        Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
+        return Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None).n_words
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a tokenizer"
         raise ConfigError(
             f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
@@ -155,7 +156,7 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
 
     dp_shard, world = _degrees(cfg.parallelism, world_size)
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
-    t, p = cfg.training, cfg.parallelism
+    p = cfg.parallelism
     p.dp_shard, p.world_size = dp_shard, world
     if cfg.job.mode == "proxy" and world > cfg.job.proxy_world_limit:
         raise ConfigError(
@@ -164,6 +165,30 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
             "job.proxy_world_limit explicitly to allow it"
         )
     args = check_shape(cfg)  # the flavor with the model.dim, ... overrides; ConfigError naming the key
+    _check_layout(cfg, args)
+    n_words = None  # the tokenizer's vocabulary, when its file is read
+    if check_files:
+        if cfg.data.dataset == "c4_offline":
+            try:
+                check_corpus(cfg.data.path)
+            except CorpusError as e:
+                raise ConfigError(str(e)) from None
+        if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
+            raise ConfigError(
+                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"
+            )
+        if cfg.data.dataset != "synthetic":
+            n_words = _check_tokenizer(cfg)
+        if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
+            raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
+    if p.pp > 1 and p.pp_static_shapes:  # the stages' example shapes, with the vocabulary the model will have
+        static_stage_shapes(cfg, args.n_layers, args.dim, model_args(cfg, n_words).vocab_size)
+    return cfg
+
+
+def _check_layout(cfg: JobConfig, args: ModelArgs) -> None:
+    """The degrees against the model's shape, the pipeline split and the sequence's shards."""
+    t, p = cfg.training, cfg.parallelism
     for key in ("n_heads", "n_kv_heads", "ffn_hidden_dim") + (("vocab_size",) if cfg.model.vocab_size else ()):
         if getattr(args, key) % p.tp:
             raise ConfigError(
@@ -182,21 +207,6 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
             f"training.seq_len: the {t.seq_len // p.cp} tokens of a cp rank must divide by "
             f"tp {p.tp} (sequence parallel inside context parallel)"
         )
-    if check_files:
-        if cfg.data.dataset == "c4_offline":
-            try:
-                check_corpus(cfg.data.path)
-            except CorpusError as e:
-                raise ConfigError(str(e)) from None
-        if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
-            raise ConfigError(
-                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"
-            )
-        if cfg.data.dataset != "synthetic":
-            _check_tokenizer(cfg)
-        if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
-            raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
-    return cfg
 
 
 def _check_profiling(cfg: JobConfig) -> None:

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 from core.checkpoint_folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
-from core.config import ConfigError, JobConfig, apply_dict, parse_override, save_config
+from core.config import ConfigError, JobConfig, apply_dict, save_config
 from core.fileio import atomic_copy, atomic_write_json
 from core.models.args import model_args, model_shape
+from core.overrides import parse_override
 from core.validate import validate
 from recipes.output import stream
 from recipes.schema import Recipe

@@ -8,8 +8,9 @@ import typing
 
 import pytest
 
-from core.config import ConfigError, JobConfig, field_docs, load_config, parse_override
+from core.config import ConfigError, JobConfig, field_docs, load_config
 from core.models.args import model_args
+from core.overrides import parse_override
 from core.parallel.stages import PP_SCHEDULES
 from core.validate import check_choices, resolve_world_size, validate
 

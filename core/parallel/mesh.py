@@ -47,8 +47,8 @@ class ParallelDims:
         return self.cp * self.tp * self.pp
 
     def build_mesh(self, device_type: str, timeout_seconds: float | None = None) -> WorldMesh:
-        """`timeout_seconds` (comm.init_timeout_seconds): given to every sub-group the mesh creates,
-        which would otherwise keep the backend's default whatever the default group has."""
+        """`timeout_seconds` (the first step's, core.debug.first_step_timeout): given to every sub-group
+        the mesh creates, which would otherwise keep the backend's default whatever the default group has."""
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
         # private: DeviceMesh has no public flatten (torchtitan's way to the dp / dp_cp views)

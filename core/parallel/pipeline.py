@@ -14,12 +14,21 @@ Gradient scale: the loss function returns each microbatch's mean loss (divided b
 accumulation steps) and the schedule divides the accumulated gradients by the microbatch count
 (`scale_grads=True`), so the gradients equal those of one pass over the whole local batch.
 
+Shapes (`parallelism.pp_static_shapes`): by default torch 2.13 infers what crosses each stage
+boundary at the first step, running a forward and backward of every stage in pipeline order (each
+rank waits in `recv_object_list` for the previous one). With the option, each stage is built with
+example inputs and outputs on the meta device, computed from the config (`stage_examples`), and the
+inference is skipped. Under FSDP2's bf16 policy the stages exchange bf16 hidden states; under
+autocast (bf16 without FSDP) and fp32 the residual stream stays fp32; the logits are fp32 (the
+model upcasts them), a vocabulary-sharded DTensor under loss parallel.
+
 A schedule's action table, and running it to find its bubble, live in `core.parallel.schedule_sim`.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,9 +37,17 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor, Shard
 
 from core.config import ConfigError, JobConfig
-from core.parallel.stages import PP_SCHEDULES, plan_stages, pp_microbatches, stage_ids_for_rank
+from core.parallel.stages import (
+    PP_SCHEDULES,
+    StageShapes,
+    plan_stages,
+    pp_microbatches,
+    stage_ids_for_rank,
+    static_stage_shapes,
+)
 
 
 # ------------------------------------------------------------------------------------ schedules
@@ -82,6 +99,53 @@ def _autocast_forward(module: nn.Module, device_type: str) -> None:
     module.forward = torch.autocast(device_type, dtype=torch.bfloat16)(forward)
 
 
+# -------------------------------------------------------------------------------- static shapes
+def activation_dtype(cfg: JobConfig, dims) -> torch.dtype:
+    """The dtype of the hidden states between stages: bf16 only when FSDP2 casts the parameters
+    (and with them the stage's inputs); autocast leaves the residual additions in fp32."""
+    bf16 = cfg.training.mixed_precision_param == "bfloat16" and dims.fsdp_enabled
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def stage_examples(
+    stage_id: int, n_stages: int, shapes: StageShapes, dtype: torch.dtype, tp_mesh=None
+) -> dict[str, tuple]:
+    """PipelineStage's example arguments of one stage (input_args, output_args, input_grads,
+    output_grads), meta tensors that allocate nothing. The gradients are given too: torch needs
+    them whenever a stage's output is a DTensor (the logits under loss parallel)."""
+    meta = torch.device("meta")
+
+    def hidden(requires_grad: bool = True) -> torch.Tensor:
+        return torch.empty(shapes.hidden, dtype=dtype, device=meta, requires_grad=requires_grad)
+
+    first, last = stage_id == 0, stage_id == n_stages - 1
+    inputs = torch.empty(shapes.tokens, dtype=torch.int64, device=meta) if first else hidden()
+    if not last:
+        outputs = hidden()
+    elif shapes.vocab_shards > 1:  # loss parallel: the local vocabulary shard, as a DTensor over tp
+        mb, seq, vocab = shapes.logits
+        local = torch.empty((mb, seq, vocab // shapes.vocab_shards), device=meta, requires_grad=True)
+        outputs = DTensor.from_local(
+            local, tp_mesh, [Shard(2)], run_check=False, shape=shapes.logits, stride=(seq * vocab, vocab, 1)
+        )
+    else:
+        outputs = torch.empty(shapes.logits, device=meta, requires_grad=True)
+    return {
+        "input_args": (inputs,),
+        "output_args": (outputs,),
+        "input_grads": (None if first else hidden(False),),  # token ids have no gradient
+        "output_grads": (None if last else hidden(False),),  # the loss starts the last stage's backward
+    }
+
+
+def _pipeline_stage(part: nn.Module, sid: int, n_stages: int, device, pp_group, examples: dict) -> PipelineStage:
+    with warnings.catch_warnings():
+        # (None,) output grads of the last stage, where the loss starts backward: torch warns that
+        # "this is legal at pipeline boundaries" when the output is a DTensor
+        warnings.filterwarnings("ignore", message=".*legal at pipeline boundaries.*", category=UserWarning)
+        return PipelineStage(part, sid, n_stages, device, group=pp_group, **examples)
+
+
 # ------------------------------------------------------------------------------------- building
 class Pipeline(NamedTuple):
     """This rank's share of the pipeline, as build_pipeline made it (the schedule keeps its
@@ -117,6 +181,7 @@ def build_pipeline(
     pp_rank = pp_mesh.get_local_rank()
     ids = stage_ids_for_rank(pp_rank, dims.pp, n_stages, p.pp_schedule)
     bf16_autocast = cfg.training.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled
+    shapes = static_stage_shapes(cfg, n_layers, model.args.dim, model.args.vocab_size) if p.pp_static_shapes else None
 
     parts, stages = [], []
     for sid in ids:
@@ -125,7 +190,11 @@ def build_pipeline(
         if bf16_autocast:
             _autocast_forward(part, device.type)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+        examples = {}
+        if shapes is not None:
+            tp_mesh = mesh["tp"] if shapes.vocab_shards > 1 else None
+            examples = stage_examples(sid, n_stages, shapes, activation_dtype(cfg, dims), tp_mesh)
+        stages.append(_pipeline_stage(part, sid, n_stages, device, pp_mesh.get_group(), examples))
 
     micro = pp_microbatches(p, n_layers)
     if issubclass(cls, PipelineScheduleSingle):
@@ -137,4 +206,6 @@ def build_pipeline(
     toggles.apply(f"pp:{p.pp_schedule}")
     if bf16_autocast:
         toggles.apply("pp_autocast_bf16")
+    if shapes is not None:
+        toggles.apply("pp_static_shapes")
     return Pipeline(schedule, parts, stages, micro)

@@ -1,5 +1,6 @@
 """Pipeline stage arithmetic without torch: schedule names and kinds, stages per rank,
-microbatches, the layer split, the stage-to-rank placement and the checks on them.
+microbatches, the layer split, the stage-to-rank placement, the tensors between stages
+(`parallelism.pp_static_shapes`) and the checks on them.
 
 The config's validation, the pipeline builder and the dry-run's memory accounting all read
 these, so a layout is split the same way everywhere and the dry-run needs no torch for it.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import itertools
 import typing
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from core.errors import ConfigError
 
@@ -189,3 +190,38 @@ def check_pipeline(cfg: JobConfig, n_layers: int) -> None:
             f"compile.enabled: torch's {p.pp_schedule} splits the backward into input and "
             "weight parts, which it does not support on compiled stages"
         )
+
+
+# --------------------------------------------------------------------------------- static shapes
+class StageShapes(NamedTuple):
+    """What crosses a stage boundary for one microbatch on one rank (local shards): the shapes
+    `parallelism.pp_static_shapes` gives each PipelineStage instead of inferring them."""
+
+    tokens: tuple[int, int]  # the first stage's input: (microbatch, seq / cp) token ids
+    hidden: tuple[int, int, int]  # between stages: (microbatch, seq / (cp x tp), dim), sequence parallel
+    logits: tuple[int, int, int]  # the last stage's output, whole: (microbatch, seq / cp, vocab)
+    vocab_shards: int  # tp when loss parallel keeps the logits vocabulary-sharded (a DTensor), else 1
+
+
+def static_stage_shapes(cfg: JobConfig, n_layers: int, dim: int, vocab: int) -> StageShapes:
+    """The shapes from the config: CP shards the sequence of the tokens (the step shards the batch
+    before the schedule splits it), TP's sequence parallelism the hidden states between blocks,
+    loss parallel the logits' vocabulary. ConfigError naming the key when a size does not divide:
+    then ranks or microbatches would differ in shape, which one example cannot describe."""
+    t, p = cfg.training, cfg.parallelism
+    key = "parallelism.pp_static_shapes"
+    micro = pp_microbatches(p, n_layers)
+    shards = p.tp if p.tp > 1 and p.loss_parallel else 1
+    for size, by, what in (
+        (t.local_batch_size, micro, f"training.local_batch_size {t.local_batch_size} over {micro} microbatches"),
+        (t.seq_len, p.cp, f"training.seq_len {t.seq_len} over cp {p.cp}"),
+        (t.seq_len // p.cp, p.tp, f"the {t.seq_len // p.cp} tokens of a cp rank over tp {p.tp}"),
+        (vocab, shards, f"the vocabulary ({vocab} tokens) over tp {p.tp} (loss parallel)"),
+    ):
+        if size % by:
+            raise ConfigError(
+                f"{key}: {what} does not divide evenly, so shards differ in shape between ranks "
+                f"and one example per stage cannot describe them (set {key} = false)"
+            )
+    mb, seq = t.local_batch_size // micro, t.seq_len // p.cp
+    return StageShapes((mb, seq), (mb, seq // p.tp, dim), (mb, seq, vocab), shards)
