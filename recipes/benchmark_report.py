@@ -27,7 +27,7 @@ import click
 from tabulate import tabulate
 
 from core.fileio import atomic_write
-from recipes import registry
+from recipes import options, registry
 from recipes.launcher import project_root, results_root
 from recipes.table_data import load_records
 
@@ -332,15 +332,8 @@ def write_report(results_dir: Path, out_dir: Path) -> list[Path]:
 
 
 @click.command("benchmark-report")
-@click.option(
-    "--results-dir",
-    type=click.Path(file_okay=False, exists=True),
-    default=None,
-    help="Where the measurements are (default: results/).",
-)
-@click.option(
-    "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Default: <results-dir>/benchmarks."
-)
+@click.option("--results-dir", type=click.Path(file_okay=False, exists=True), help="Default: results/.")
+@options.out_dir_option("Default: <results-dir>/benchmarks.")
 def benchmark_report(results_dir, out_dir):
     """results/benchmarks/<date>-<cpu>.md from the measurements already written, and its index."""
     results = Path(results_dir) if results_dir else results_root()

@@ -22,7 +22,7 @@ import click
 from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
-from recipes import hardware_check, launcher, modes, output, registry
+from recipes import hardware_check, launcher, modes, options, output, registry
 from recipes.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -59,6 +59,13 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     ),
 }
 
+MARKDOWN_HELP = (
+    "A markdown table with each row's command, modes and results link (the README's recipe table; machine independent)."
+)
+SKIP_BAD_HELP = (
+    "Leave out records that do not parse or hold a field of the wrong type (the tables say which); "
+    "without it such a record stops the command before any table is written."
+)
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = modes.EXIT_FAILED, modes.EXIT_CONFIG, modes.EXIT_CANNOT
 
 
@@ -121,12 +128,7 @@ def main():
 @main.command("list")
 @click.option("--ids", is_flag=True, help="Only the ids, one per line.")
 @click.option("--table", type=click.Choice(TABLES), help="Only the rows of one table.")
-@click.option(
-    "--markdown",
-    is_flag=True,
-    help="A markdown table with each row's command, modes and "
-    "results link (the README's recipe table; machine independent).",
-)
+@click.option("--markdown", is_flag=True, help=MARKDOWN_HELP)
 def list_cmd(ids, table, markdown):
     """The recipe rows: id, table, row, paper GPUs, proxy world size, modes runnable here."""
     recipes = registry.by_table(table) if table else registry.all_recipes()
@@ -182,12 +184,8 @@ def keys_cmd(pattern):
 @main.command("show")
 @click.argument("recipe_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything as JSON, full resolved configs.")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`.",
+@options.overrides_option(
+    "Preview the configs with this override (as `run --set`); repeatable. Keys: `run-recipe keys`."
 )
 def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
@@ -309,26 +307,14 @@ def _short(v) -> str:
 @click.argument("ids", nargs=-1)
 @click.option("--table", type=click.Choice(TABLES), help="Run every row of a table (with any ids).")
 @click.option("--mode", type=click.Choice(MODES), default="proxy", show_default=True)
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override a config key (TOML literal), applied after the recipe; repeatable.",
+@options.overrides_option("Override a config key (TOML literal), applied after the recipe; repeatable.")
+@options.out_dir_option(
+    "Run directory (DIR/<id__> when several rows run). Default: runs/<id__>/<timestamp>. With --out the "
+    "record stays in DIR only, unless --records-dir is given too.",
+    name="out",
 )
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Run directory (DIR/<id__> when several rows run). Default: "
-    "runs/<id__>/<timestamp>. With --out the record stays in DIR only, unless "
-    "--records-dir is given too.",
-)
-@click.option(
-    "--records-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where records are copied as <mode>/<id__>.json (default: results/records, or none with --out).",
+@options.records_dir_option(
+    "Where records are copied as <mode>/<id__>.json (default: results/records, or none with --out)."
 )
 @click.option("--slurm", is_flag=True, help="real mode: write an sbatch script to the run dir instead of running.")
 @click.option(
@@ -396,18 +382,9 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
 
 # ------------------------------------------------------------------------------ results
 @main.command("results")
-@click.option(
-    "--records-dir", type=click.Path(file_okay=False), default=None, help="Records to read (default: results/records)."
-)
-@click.option(
-    "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Where the tables go (default: results/)."
-)
-@click.option(
-    "--skip-bad-records",
-    is_flag=True,
-    help="Leave out records that do not parse or hold a field of the wrong type (the tables say which); "
-    "without it such a record stops the command before any table is written.",
-)
+@options.records_dir_option("Records to read (default: results/records).")
+@options.out_dir_option("Where the tables go (default: results/).")
+@click.option("--skip-bad-records", is_flag=True, help=SKIP_BAD_HELP)
 def results_cmd(records_dir, out_dir, skip_bad_records):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
     from recipes import results  # pandas + matplotlib: only for the command that writes tables

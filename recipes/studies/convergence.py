@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from core.fileio import atomic_write_json
-from recipes import launcher, modes, results, table_data
+from recipes import launcher, modes, options, results, table_data
 from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
 
@@ -185,15 +185,8 @@ def golden_path(results_dir: Path | None = None) -> Path:
     metavar="ID",
     help="Run only these rows (ids or their last part); the others' records are reused.",
 )
-@click.option(
-    "--records-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where records go and are read (default: results/records).",
-)
-@click.option(
-    "--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Where the outputs go (default: results/)."
-)
+@options.records_dir_option("Where records go and are read (default: results/records).")
+@options.out_dir_option("Where the outputs go (default: results/).")
 @click.option(
     "--golden/--no-golden",
     default=None,

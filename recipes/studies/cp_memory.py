@@ -27,7 +27,7 @@ from core.config import load_config
 from core.fileio import atomic_write_json
 from core.train import Trainer, init_distributed
 from core.validate import validate
-from recipes import launcher, modes
+from recipes import launcher, modes, options
 from recipes.studies.common import synthetic_job
 
 WORKER = "recipes.studies.cp_memory"  # each rank of a measurement runs this module's __main__
@@ -76,12 +76,7 @@ def measure(cp: int, seq: int, flavor: str, tmp: Path) -> list[dict]:
 @click.option("--cp", "cps", default="1,2,4", show_default=True, help="CP degrees, comma-separated.")
 @click.option("--seq", type=int, default=4096, show_default=True)
 @click.option("--flavor", default="debug", show_default=True)
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The JSON (default: results/cp_activation_memory.json).",
-)
+@options.out_file_option("The JSON (default: results/cp_activation_memory.json).")
 @click.option("--worker", hidden=True, help="(Inside torchrun.) Measure one CP degree, write this file.")
 @click.argument("overrides", nargs=-1)
 def cp_memory(cps, seq, flavor, out, worker, overrides):

@@ -127,7 +127,7 @@ def markdown(rows: list[dict], details: dict) -> str:
             "grad clipping active; max |loss - reference loss| over the steps. fp32 tolerance 1e-5; "
             "bf16 (FSDP2 bf16 params + fp32 reduce, or bf16 autocast without FSDP, vs the reference "
             "under the same bf16 policy) 1e-3. Step time: mean over steps 2..N (CPU, gloo, OMP_NUM_THREADS=1 "
-            "per rank on a shared 2-core machine: relative, not absolute). Memory: peak RSS per rank "
+            "per rank on the machine that ran them: relative, not absolute). Memory: peak RSS per rank "
             "(includes ~0.4 GB of process baseline; blank when measured with --grouped). Per-step "
             "losses and the versions that made them: results/golden/loss_parity_<dtype>.json."
         ),

@@ -222,58 +222,41 @@ def markdown(m: dict) -> str:
     )
 
 
-def _ac_table(rows: list[dict]) -> str:
+def _github_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A Markdown table of `rows`: one column per (header, key, format spec)."""
     return tabulate(
-        [
-            [
-                r["mode"],
-                f"{r['act_mib']:.1f}",
-                f"{r['act_ratio']:.2f}",
-                f"{r['total_mib']:.1f}",
-                f"{r['step_s']:.3f}",
-                f"{r['time_ratio']:.2f}",
-                f"{r['max_loss_diff']:.1e}",
-            ]
-            for r in rows
-        ],
-        headers=["mode", "peak activations MiB", "x none", "peak total MiB", "step s", "x none", "max loss diff"],
+        [[format(r[key], spec) for _, key, spec in columns] for r in rows],
+        headers=[header for header, _, _ in columns],
         tablefmt="github",
     )
+
+
+def _ac_table(rows: list[dict]) -> str:
+    columns = [("mode", "mode", ""), ("peak activations MiB", "act_mib", ".1f"), ("x none", "act_ratio", ".2f")]
+    columns += [("peak total MiB", "total_mib", ".1f"), ("step s", "step_s", ".3f"), ("x none", "time_ratio", ".2f")]
+    return _github_table(rows, [*columns, ("max loss diff", "max_loss_diff", ".1e")])
 
 
 def _cold_table(k: dict) -> str:
-    return tabulate(
-        [
-            [
-                key,
-                f"{k[key]['compile_s']:.1f}",
-                f"{k[key]['compile_s'] / k['block_cold']['compile_s']:.2f}",
-                f"{k[key]['compile_cpu_s']:.1f}",
-                f"{k[key]['compile_cpu_s'] / k['block_cold']['compile_cpu_s']:.2f}",
-                f"{k[key]['steady_step_s']:.3f}",
-            ]
-            for key in ("block_cold", "whole_cold", "block_warm")
-        ],
-        headers=["compile", "wall s", "x block cold", "CPU s", "x block cold", "steady step s"],
-        tablefmt="github",
-    )
+    base = k["block_cold"]
+    rows = [
+        {
+            "key": key,
+            **k[key],
+            "wall_ratio": k[key]["compile_s"] / base["compile_s"],
+            "cpu_ratio": k[key]["compile_cpu_s"] / base["compile_cpu_s"],
+        }
+        for key in ("block_cold", "whole_cold", "block_warm")
+    ]
+    columns = [("compile", "key", ""), ("wall s", "compile_s", ".1f"), ("x block cold", "wall_ratio", ".2f")]
+    columns += [("CPU s", "compile_cpu_s", ".1f"), ("x block cold", "cpu_ratio", ".2f")]
+    return _github_table(rows, [*columns, ("steady step s", "steady_step_s", ".3f")])
 
 
 def _float8_table(rows: list[dict]) -> str:
-    return tabulate(
-        [
-            [
-                r["recipe"],
-                f"{r['max_loss_diff']:.2e}",
-                f"{r['final_loss']:.4f}",
-                f"{r['bf16_final_loss']:.4f}",
-                f"{r['time_ratio']:.2f}",
-            ]
-            for r in rows
-        ],
-        headers=["recipe", "max abs loss diff", "final loss", "bf16 final loss", "step time x bf16"],
-        tablefmt="github",
-    )
+    columns = [("recipe", "recipe", ""), ("max abs loss diff", "max_loss_diff", ".2e")]
+    columns += [("final loss", "final_loss", ".4f"), ("bf16 final loss", "bf16_final_loss", ".4f")]
+    return _github_table(rows, [*columns, ("step time x bf16", "time_ratio", ".2f")])
 
 
 def write_results(m: dict, results_dir: Path | None = None) -> None:
