@@ -70,8 +70,8 @@ def cfg_with(rid: str, *overrides: str):
 
 def test_fp8_peak_equal_to_bf16_removes_float8_compute_gain():
     same = fp8_as_bf16(G.load_spec(PAPER))
-    # Full AC: both recompute the same forward (selective op AC saves float8 matmul outputs where
-    # it recomputes every other bf16 one: a memory trade, not a compute gain).
+    # Full AC: both recompute the same forward (test_float8_recomputes_the_same_matmuls_as_bf16
+    # checks selective op AC).
     full = "activation_checkpoint.mode=full"
     for gpus in (8, 128):
         f8 = predict(cfg_with(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8", full), same, memory=NO_MEM)
@@ -80,6 +80,18 @@ def test_fp8_peak_equal_to_bf16_removes_float8_compute_gain():
         assert f8["tokens_per_sec_per_gpu"] <= bf["tokens_per_sec_per_gpu"]  # only the casts remain
         # with the real FP8 rate Float8 is faster
         assert tps(f"llama3_8b/table1/{gpus}gpu_fsdp_compile_float8") > tps(f"llama3_8b/table1/{gpus}gpu_fsdp_compile")
+
+
+def test_float8_recomputes_the_same_matmuls_as_bf16():
+    """Selective op AC saving every other matmul recomputes wk, wo and w3 under Float8 too: the
+    policy sees each float8 matmul as aten.mm on torchao's subclass, counted like a bf16 one. With
+    FP8 rates equal to BF16's, Float8's recompute is bf16's plus its casts, never less."""
+    same = fp8_as_bf16(G.load_spec(PAPER))
+    f8 = predict(cfg_with("llama3_8b/table1/8gpu_fsdp_compile_float8"), same, memory=NO_MEM)
+    bf = predict(cfg_with("llama3_8b/table1/8gpu_fsdp_compile"), same, memory=NO_MEM)
+    assert cfg_with("llama3_8b/table1/8gpu_fsdp_compile_float8").activation_checkpoint.save_every_other_mm
+    assert f8["breakdown"]["compute"] == pytest.approx(bf["breakdown"]["compute"], rel=1e-9)
+    assert f8["breakdown"]["recompute"] > bf["breakdown"]["recompute"]
 
 
 def test_one_gpu_per_node_makes_tp_slower():

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds, block_linears, gemm_kinds
+from core.dryrun.linears import block_linear_seconds
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.models.args import model_args
 
@@ -150,11 +150,14 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
         glue_f, glue_b = ring.glue_bytes(s.cp)
         pw_f += glue_f * n / r.hbm
         pw_b += glue_b * n / r.hbm
-    # Selective op AC with every other matmul saved recomputes wk, wo, w3 (the policy counts
-    # aten.mm only: Float8's _scaled_mm outputs are all saved) and every pointwise op.
+    # Selective op AC with every other matmul saved recomputes wk, wo, w3 and every pointwise
+    # op, Float8's casts included. Under Float8 too: the policy's dispatch mode runs before
+    # torchao's tensor subclass, so it sees each float8 matmul as aten.mm on two
+    # Float8TrainingTensors (counted like a bf16 one), never the _scaled_mm inside it
+    # (torch/utils/checkpoint.py _CachingTorchDispatchMode; under compile the policy tags every
+    # node the op traced into, the _scaled_mm included).
     every_other = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.save_every_other_mm
-    bf16_mm = {x.name for x in block_linears(s) if gemm_kinds(x, lin["recipe"])[0] == "bf16"}
-    recomputed = tuple(n for n in ("wk", "wo", "w3") if n in bf16_mm) if every_other else ()
+    recomputed = ("wk", "wo", "w3") if every_other else ()
     tp = _tp_seconds(cfg, s, spec, links["tp"], lin["recipe"], recomputed)
     fwd = {"compute": lin["fwd_mm"] + attn_f + tp["fwd"][1], "memory_bound": pw_f, "tp": tp["fwd"][0], "cp": cp_f}
     bwd = {"compute": lin["bwd_mm"] + attn_b + tp["bwd"][1], "memory_bound": pw_b, "tp": tp["bwd"][0], "cp": cp_b}
