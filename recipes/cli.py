@@ -46,6 +46,10 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
         "recipes.dryrun_table:main",
         "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate).",
     ),
+    "gpu-spec": (
+        "recipes.gpu_spec.command:gpu_spec",
+        "Measure the device present (GEMMs, SDPA, bandwidth, collectives) into a GPU spec for --gpu FILE.",
+    ),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
     "preflight": (
         "recipes.studies.preflight:preflight",
