@@ -252,3 +252,26 @@ def test_measure_this_gpu(tmp_path):
     support = gemm_support(select_device("cuda"))
     assert {k for k, _ in spec.gemm} == {k for k, why in support.items() if why is None}
     assert all(0 < p.efficiency <= 1 for _, points in spec.gemm for p in points)
+
+
+def test_typical_leaves_out_the_tails():
+    """A rare long stall (or a lucky sample) moves neither a probe's rate nor a step's."""
+    from recipes.gpu_spec.benchmarks import typical
+
+    assert typical([1.0, 1.0, 2.0, 1.0, 100.0]) == pytest.approx(4 / 3)
+    assert typical([1.0, 3.0]) == 2.0  # too few to trim
+
+
+def test_the_verdict_is_the_median_error_of_each_bf16_layout():
+    from recipes.studies.preflight_one import TARGET, Run, _summary, comparison_table
+
+    def run(ac: str, measured: float, predicted: float, r: int) -> Run:
+        return Run(f"bf16, AC {ac}", "bf16", ac, [measured] * 3, 0.2, {"measured": predicted}, 0.19, r, 1.0)
+
+    # AC none: one round off by 60%, the median of three within TARGET; AC full: off in two of three
+    runs = [run("none", 1.0, p, r) for r, p in enumerate((0.9, 1.6, 1.1))]
+    runs += [run("full", 1.0, p, r) for r, p in enumerate((0.7, 0.95, 0.6))]
+    s = _summary(runs, [], "cpu (test)")
+    assert s["target"] == TARGET and not s["passed"] and s["misses"] == ["bf16, AC full: -30.0%"]
+    assert s["layouts"]["bf16, AC none"]["error"]["measured"] == pytest.approx([-0.1, 0.6, 0.1])
+    assert "+10.0% [-10.0%, +60.0%]" in comparison_table(s)

@@ -78,7 +78,7 @@ def _compute(doc: _Doc, m: Measurements, when: str) -> tuple[float, float]:
     doc.put(
         "compute.kernel_overhead_s",
         m.kernel_overhead_s,
-        f"measured {when}: median seconds of a 16x16x16 bf16 GEMM (launch / dispatch; bf16 route on a CPU)",
+        f"measured {when}: seconds of a 16x16x16 bf16 GEMM (launch / dispatch; bf16 route on a CPU)",
     )
     return peaks
 
@@ -171,7 +171,7 @@ def _gemm_tables(m: Measurements, peaks: tuple[float, float], date: str) -> dict
                 "k": c,
                 "efficiency": _frac(r, peak),
                 "source": f"run-recipe gpu-spec --measure on {m.device.name}, torch {m.device.torch_version}: "
-                f"{call}{route}, median of {m.passes} interleaved passes: {r / 1e9:.4g} GFLOP/s",
+                f"{call}{route}, trimmed mean of {m.passes} interleaved passes: {r / 1e9:.4g} GFLOP/s",
                 "measured": date,
             }
             for a, b, c, r in points

@@ -1,7 +1,9 @@
 """The microbenchmarks of one device, as probes: a call to time and the work one call does (FLOPs
 or bytes). `run_probes` times them interleaved, pass after pass over every probe, and keeps each
-probe's median: on a shared machine a burst of load then falls on every probe alike instead of on
-whichever one ran during it, and the median counts the stalls a training step also meets.
+probe's trimmed mean (`typical`): on a shared machine a burst of load then falls on every probe
+alike instead of on whichever one ran during it; the preemptions count as they count in a training
+step, which lasts through them (a median of millisecond samples would leave them out), and a rare
+long stall does not (as the median over a run's steps leaves one out).
 
 - GEMMs at the model's shapes (core/dryrun/linears.py `model_gemms`) in each kernel family: bf16
   `torch.mm` (on a CPU through the trainer's bf16 route, core/cpu_gemm.py, installed by the
@@ -36,11 +38,17 @@ class Probe:
     call: Callable[[], object]
     work: float  # FLOPs or bytes of one call
     inner: int = 1  # calls per sample (set by the warm-up)
-    seconds: float = 0.0  # the median of one call (set by run_probes)
+    seconds: float = 0.0  # one call's typical time (set by run_probes)
 
     @property
     def rate(self) -> float:
         return self.work / self.seconds
+
+
+def typical(samples: list[float]) -> float:
+    """The mean of the samples without their highest and lowest fifth."""
+    cut = len(samples) // 5
+    return statistics.fmean(sorted(samples)[cut : len(samples) - cut])
 
 
 def _sample(dev: Device, p: Probe) -> float:
@@ -56,7 +64,7 @@ def _sample(dev: Device, p: Probe) -> float:
 
 def run_probes(dev: Device, probes: list[Probe], passes: int, progress: Callable[[str], None]) -> None:
     """A warm-up call of each probe (on CUDA it also sizes the probe's batch of calls), then
-    `passes` passes over all of them; each probe's `seconds` is the median of its samples."""
+    `passes` passes over all of them; each probe's `seconds` is the `typical` of its samples."""
     for p in probes:
         first = _sample(dev, p)
         if dev.kind == "cuda":
@@ -68,7 +76,7 @@ def run_probes(dev: Device, probes: list[Probe], passes: int, progress: Callable
             s.append(_sample(dev, p))
         progress(f"  pass {i + 1}/{passes} over {len(probes)} benchmarks: {time.perf_counter() - t:.1f} s")
     for p, s in zip(probes, samples, strict=True):
-        p.seconds = statistics.median(s)
+        p.seconds = typical(s)
 
 
 # --------------------------------------------------------------------------------------- GEMMs

@@ -15,7 +15,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from recipes.gpu_spec.benchmarks import typical
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 TINY_BYTES = 64
@@ -40,7 +41,7 @@ def _run(op: str, nbytes: int, rank: int, world: int, device: torch.device):
 
 
 def _time(fn, device: torch.device, reps: int) -> float:
-    """Median seconds of one collective, every rank starting together."""
+    """Typical seconds of one collective (benchmarks.typical), every rank starting together."""
     fn()
     samples = []
     for _ in range(reps):
@@ -50,7 +51,7 @@ def _time(fn, device: torch.device, reps: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return typical(samples)
 
 
 def _worker(rank: int, world: int, backend: str, store_path: str, out: str, large_bytes: int, reps: int) -> None:

@@ -76,7 +76,7 @@ def _new(dev: Device, quick: bool, kinds: tuple[str, ...] | None) -> tuple[Measu
 
 def _probes(m: Measurements, cfgs: list, quick: bool) -> dict[str, list]:
     """The probes by group: gemm (per kind), sdpa (forward, forward + backward per length),
-    pointwise, copy. A probe the device cannot even set up is refused by name."""
+    pointwise, overhead, copy (the order of each pass). A probe the device cannot set up is refused."""
     from core.dryrun.linears import model_gemms
 
     dev = m.device
@@ -89,7 +89,6 @@ def _probes(m: Measurements, cfgs: list, quick: bool) -> dict[str, list]:
             raise CannotMeasure(f"{label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
         groups.setdefault(group, []).extend(made if isinstance(made, (list, tuple)) else [made])
 
-    add("overhead", "kernel overhead", lambda: B.overhead_probe(dev))
     gemms = sorted({g for c in cfgs for g in model_gemms(c)}, key=lambda g: g[0] * g[1] * g[2])
     for kind in m.gemm:
         for g in gemms:
@@ -98,13 +97,16 @@ def _probes(m: Measurements, cfgs: list, quick: bool) -> dict[str, list]:
     for seq in attention_lengths(dev.kind, m.attention_seq, quick):
         add("sdpa", f"sdpa seq {seq}", lambda seq=seq: B.attention_probes(dev, batch, heads, seq, hd, fp32))
     add("pointwise", f"pointwise x {m.pointwise_elements:,}", lambda: B.pointwise_probes(dev, m.pointwise_elements))
+    # after the pointwise kernels, as a step's GEMMs follow ops on its activations (after the large
+    # copy a CPU's tiny GEMM takes several times longer: its caches are cold)
+    add("overhead", "kernel overhead", lambda: B.overhead_probe(dev))
     copy_bytes = _sizes(dev, quick)[0]  # last: it leaves the caches cold for the next pass's first probe only
     add("copy", f"copy {copy_bytes >> 20} MiB", lambda: B.copy_probe(dev, copy_bytes))
     return groups
 
 
 def _record(m: Measurements, groups: dict[str, list], progress: Callable[[str], None]) -> None:
-    """The probes' medians into the measurements, one line each."""
+    """The probes' typical rates into the measurements, one line each."""
 
     def rate(r: float) -> str:
         return f"{r / 1e12:.3g} TFLOP/s" if r > 1e12 else f"{r / 1e9:.3g} GFLOP/s"

@@ -21,6 +21,7 @@ is fitted to the step: the prediction reads only the spec measured in the same r
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ class Run:
     predicted_s: dict[str, float]
     predicted_gib: float
     round: int
+    load: float  # the machine's 1-minute load average after the steps (a shared machine's share)
 
     @property
     def measured_s(self) -> float:
@@ -107,7 +109,7 @@ def _layouts(m, capacity: float, quick: bool, echo) -> list[tuple[str, str, obje
     """(precision, AC mode, config) of each run: the CPU proxy in bf16; on a GPU the one-GPU
     layout (8B's widths with the most blocks, of 32, whose estimate without AC fits the GPU;
     compiled) in bf16 and, where the GPU runs float8 matmuls, Float8 tensorwise."""
-    from core.dryrun.memory import estimate_memory
+    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.validate import validate
     from recipes.gpu_spec.shapes import ONE_GPU, PROXY, PROXY_QUICK, layout_config
 
@@ -124,10 +126,11 @@ def _layouts(m, capacity: float, quick: bool, echo) -> list[tuple[str, str, obje
         c = layout_config(ONE_GPU["flavor"], ONE_GPU["seq"], 1, ac, n_layers=layers, compile_=True, float8=float8)
         return validate(c, 1, check_files=False)
 
-    fits = [
-        n for n in range(1, 33) if estimate_memory(cfg(n, "none", False), capacity)["estimated_peak_gib"] <= capacity
-    ]
-    layers = max(fits, default=1)
+    def fits(layers: int) -> bool:  # as plan counts it: the allocator's usual slack on top
+        est = estimate_memory(cfg(layers, "none", False), capacity)
+        return est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB <= capacity
+
+    layers = max((n for n in range(1, 33) if fits(n)), default=1)
     return [(prec, ac, cfg(layers, ac, prec != "bf16")) for prec in precisions for ac in AC_MODES]
 
 
@@ -166,12 +169,13 @@ def compare(out: Path, rounds: int, steps: int, quick: bool, threads: int | None
                 pred,
                 reserved_gib if m.device.kind == "cuda" else alloc_gib,
                 r,
+                os.getloadavg()[0],
             )
             runs.append(run)
             echo(
                 f"  {run.label}: measured {run.measured_s:.3f} s/step ({len(times)} steps, "
                 f"{time.perf_counter() - t:.0f} s), predicted {pred['measured']:.3f} ({run.error('measured'):+.1%}); "
-                f"memory {mem:.3f} GiB, predicted {run.predicted_gib:.3f}"
+                f"memory {mem:.3f} GiB, predicted {run.predicted_gib:.3f}; load average {run.load:.1f}"
             )
     return _summary(runs, specs_written, m.device.name)
 
@@ -186,21 +190,15 @@ def _summary(runs: list[Run], specs: list[str], device: str) -> dict:
     verdict: every bf16 layout's median error within TARGET on the measured spec."""
     layouts: dict[str, dict] = {}
     for run in runs:
-        d = layouts.setdefault(
-            run.label,
-            {
-                "precision": run.precision,
-                "ac": run.ac,
-                "measured_s": [],
-                "steps_s": [],
-                "memory_gib": [],
-                "predicted_gib": [],
-            },
-        )
-        d["measured_s"].append(run.measured_s)
-        d["steps_s"].append(run.step_s)
-        d["memory_gib"].append(run.memory_gib)
-        d["predicted_gib"].append(run.predicted_gib)
+        d = layouts.setdefault(run.label, {"precision": run.precision, "ac": run.ac})
+        for key, value in (
+            ("measured_s", run.measured_s),
+            ("steps_s", run.step_s),
+            ("memory_gib", run.memory_gib),
+            ("predicted_gib", run.predicted_gib),
+            ("load", run.load),
+        ):
+            d.setdefault(key, []).append(value)
         for spec in run.predicted_s:
             d.setdefault("predicted_s", {}).setdefault(spec, []).append(run.predicted_s[spec])
             d.setdefault("error", {}).setdefault(spec, []).append(run.error(spec))
