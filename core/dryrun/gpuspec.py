@@ -249,7 +249,7 @@ def _toml_value(v: object) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return f"{v:.4g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.4e}"
+        return f"{v:.6g}"  # six digits: a measurement's own spread is wider
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)  # a TOML basic string: JSON's escapes are TOML's
     if isinstance(v, list):
