@@ -34,6 +34,7 @@ import click
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes
+from recipes.studies.preflight_one import one_device_options
 
 STEPS = 6
 PARITY_TOL = 1e-5  # fp32 on CPU gloo: only the summation order differs (as recipes/studies/parity.py)
@@ -394,38 +395,7 @@ def _cp_float8_verdicts(pf: Preflight, rec: dict, async_problem: str | None) -> 
     default=None,
     help="Folder of the runs (default runs/preflight/<timestamp>).",
 )
-@click.option(
-    "--gpus",
-    type=int,
-    default=None,
-    help="1: measure this device, predict a one-device step on its spec, run it and compare "
-    "(recipes/studies/preflight_one.py); without it, the node's feature check.",
-)
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="--gpus 1: the device (cuda: the GPU form, refused without one).",
-)
-@click.option(
-    "--rounds", type=click.IntRange(1), default=2, show_default=True, help="--gpus 1: measure-then-run rounds."
-)
-@click.option(
-    "--steps",
-    type=click.IntRange(2),
-    default=6,
-    show_default=True,
-    help="--gpus 1: steps per layout (the first one warms up).",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="--gpus 1 on a CPU: threads of the process (measured and run alike).",
-)
-@click.option("--quick", is_flag=True, help="--gpus 1: the tests' sizes (seconds).")
+@one_device_options
 def preflight(
     out: str | None, gpus: int | None, device: str, rounds: int, steps: int, threads: int, quick: bool
 ) -> None:

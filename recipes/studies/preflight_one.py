@@ -104,6 +104,39 @@ def predicted(cfg, specs: dict, capacity_gib: float) -> tuple[dict[str, float], 
     return steps, mem["allocated_peak_gib"], mem["estimated_peak_gib"]
 
 
+def one_device_options(command):
+    """`run-recipe preflight`'s options of this form (--gpus 1 and what it takes)."""
+    options = [
+        click.option(
+            "--gpus",
+            type=int,
+            default=None,
+            help="1: measure this device, predict a one-device step on its spec, run it and compare "
+            "(recipes/studies/preflight_one.py); without it, the node's feature check.",
+        ),
+        click.option(
+            "--device",
+            type=click.Choice(["auto", "cuda", "cpu"]),
+            default="auto",
+            show_default=True,
+            help="--gpus 1: the device (cuda: the GPU form, refused without one).",
+        ),
+        click.option("--quick", is_flag=True, help="--gpus 1: the tests' sizes (seconds)."),
+    ]
+    counts = (
+        ("--rounds", 1, 2, "measure-then-run rounds"),
+        ("--steps", 2, 6, "steps per run, the first one a warm-up"),
+        ("--threads", 1, 1, "threads on a CPU, measured and run alike"),
+    )
+    options[2:2] = [
+        click.option(name, type=click.IntRange(low), default=default, show_default=True, help=f"--gpus 1: {what}.")
+        for name, low, default, what in counts
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 # ------------------------------------------------------------------------------------ the forms
 def _layouts(m, capacity: float, quick: bool, echo) -> list[tuple[str, str, object]]:
     """(precision, AC mode, config) of each run: the CPU proxy in bf16; on a GPU the one-GPU
