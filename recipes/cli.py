@@ -46,6 +46,10 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
         "recipes.dryrun_table:main",
         "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate).",
     ),
+    "gpu-spec": (
+        "recipes.gpu_spec.command:gpu_spec",
+        "Measure the device present (GEMMs, SDPA, bandwidth, collectives) into a GPU spec for --gpu FILE.",
+    ),
     "parity": ("recipes.studies.parity:parity", "Loss parity of N-D layouts against the single-process run."),
     "preflight": (
         "recipes.studies.preflight:preflight",
@@ -336,7 +340,7 @@ def _short(v) -> str:
     "--gpu",
     default=None,
     metavar="NAME",
-    help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml; "
+    help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml, or a spec FILE; "
     "default: the paper's h100_96gb_hbm2e_500w).",
 )
 def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):

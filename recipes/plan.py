@@ -26,8 +26,15 @@ CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroo
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import click
+
+from recipes.plan_budget import DAYS, TOKENS, Setup
+from recipes.plan_report import against_the_paper, ranked_json, ranked_table
+
+if TYPE_CHECKING:  # type names only: the spec module is loaded when a plan runs
+    from core.dryrun.gpuspec import GPUSpec
 
 FSDP_MAX_GROUP = 128
 LONG_CONTEXT = 32768
@@ -139,29 +146,30 @@ def _layout_config(model: str, seq: int, lb: int, degrees: dict, gpus: int, ac: 
     return cfg
 
 
-def _cheapest_ac(model: str, seq: int, lb: int, degrees: dict, gpus: int, gpu_mem: float, compile_, float8):
+def _cheapest_ac(
+    model: str, seq: int, lb: int, degrees: dict, gpus: int, gpu_mem: float, compile_, float8, fits_only: bool = False
+):
     """The layout with the cheapest AC mode that fits (or full AC when none does); None when the
-    layout itself is invalid."""
+    layout itself is invalid (or, `fits_only`, when even full AC does not fit: tried first then,
+    as it needs the least memory)."""
     from core.config import ConfigError
     from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
     from core.validate import validate
 
-    best = None
-    for ac in AC_ORDER:
+    def at(ac) -> Candidate | None:
         cfg = _layout_config(model, seq, lb, degrees, gpus, ac, compile_, float8)
         try:
             validate(cfg, check_files=False)
         except ConfigError:
-            break  # the layout itself is invalid: no AC mode helps
+            return None  # the layout itself is invalid: no AC mode helps
         est = estimate_memory(cfg, gpu_gib=gpu_mem)
         # Uncapped: a plan needs the allocator's usual slack, not its retry path.
         need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
-        p = cfg.parallelism
-        best = Candidate(
+        c = Candidate(
             dict(degrees),
             ac[0],
             lb,
-            p.pp_microbatches or 1,
+            cfg.parallelism.pp_microbatches or 1,
             need,
             need <= gpu_mem,
             [],
@@ -169,13 +177,24 @@ def _cheapest_ac(model: str, seq: int, lb: int, degrees: dict, gpus: int, gpu_me
             est["breakdown"],
             cfg,
         )
-        best.memory = est
+        c.memory = est
+        return c
+
+    full = at(AC_ORDER[-1]) if fits_only else None
+    if fits_only and (full is None or not full.fits):
+        return None
+    best = None
+    for ac in AC_ORDER[:-1] if fits_only else AC_ORDER:
+        c = at(ac)
+        if c is None:
+            return best
+        best = c
         if best.fits:
-            break
-    return best
+            return best
+    return full or best
 
 
-def _by_speed(ranked: list[Candidate], gpu: str | None) -> list[Candidate]:
+def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None) -> list[Candidate]:
     """Rank the candidates by predicted tokens/s per GPU; the guidance still outranks speed, and
     predictions within SPEED_TIE of the fastest are ordered by the rules."""
     from core.dryrun.gpuspec import DEFAULT_GPU
@@ -209,32 +228,35 @@ def candidates(
     float8: bool = False,
     global_batch: int | None = None,
     by_speed: bool = False,
-    gpu: str | None = None,
+    gpu: str | GPUSpec | None = None,
+    best_only: bool = False,
 ) -> list[Candidate]:
     """Every valid (dp_shard, tp, pp, cp) layout of `gpus` GPUs with the cheapest AC that fits
     (or full AC when none does), ranked (best first). The batch: `local_batch` sequences per
     data-parallel rank, or `global_batch` split over the data-parallel ranks, or else 1 per rank
     (one per stage with PP). by_speed: rank the ones that fit by predicted tokens/s per GPU on
-    the GPU spec `gpu` (default: the paper's), the rules breaking ties."""
+    the GPU spec `gpu` (a name, or a loaded spec; default: the paper's), the rules breaking ties.
+    best_only: only the layouts that fit and follow the guidance (with by_speed, the same first
+    one whenever there is one; empty when there is none)."""
     from core.models.llama3 import FLAVORS
 
     out = []
     for dp, tp, pp, cp in _layouts(gpus, gpus_per_node, FLAVORS[model].n_layers):
         lb = _local_batch(dp, pp, local_batch, global_batch)
-        if lb is None:
-            continue
         degrees = {"dp_shard": dp, "tp": tp, "pp": pp, "cp": cp}
-        best = _cheapest_ac(model, seq, lb, degrees, gpus, gpu_mem, compile_, float8)
-        if best is None:
+        violations = _violations(degrees, seq, gpus_per_node)
+        if lb is None or (best_only and violations):
             continue
-        best.violations = _violations(best, seq, gpus_per_node)
-        out.append(best)
+        best = _cheapest_ac(model, seq, lb, degrees, gpus, gpu_mem, compile_, float8, fits_only=best_only)
+        if best is not None and (best.fits or not best_only):
+            best.violations = violations
+            out.append(best)
     ranked = sorted(out, key=Candidate.key)
     return _by_speed(ranked, gpu) if by_speed else ranked
 
 
-def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
-    d, v = c.degrees, []
+def _violations(d: dict, seq: int, gpus_per_node: int) -> list[str]:
+    v = []
     fsdp_group = d["dp_shard"] * d["cp"]
     if fsdp_group > FSDP_MAX_GROUP:
         v.append(
@@ -247,23 +269,18 @@ def _violations(c: Candidate, seq: int, gpus_per_node: int) -> list[str]:
     return v
 
 
-def paper_layouts(model: str, gpus: int, seq: int) -> list:
-    """The paper's rows with this model, GPU count and sequence length."""
-    from recipes import registry
-
-    rows = []
-    for r in registry.all_recipes():
-        if r.gpus != gpus:
-            continue
-        cfg = r.job_config("real")
-        if cfg.model.flavor == model and cfg.training.seq_len == seq:
-            rows.append((r, cfg))
-    return rows
-
-
 @click.command("plan")
 @click.option("--model", type=click.Choice(["8B", "70B", "405B"]), required=True)
-@click.option("--gpus", type=int, required=True, help="World size.")
+@click.option(
+    "--gpus", type=int, default=None, help="World size (without it: --tokens and --days, the GPU count found)."
+)
+@click.option(
+    "--tokens",
+    type=TOKENS,
+    default=None,
+    help="Token budget to train on (2T, 500B, 1.5e12): with --days, the smallest GPU count that finishes in time.",
+)
+@click.option("--days", type=DAYS, default=None, help="Days the token budget must take at most (with --tokens).")
 @click.option("--seq", type=int, default=8192, show_default=True, help="Sequence length.")
 @click.option(
     "--gpu-mem", type=float, default=None, help="GiB per GPU (default: the --gpu spec's capacity, 80 without --gpu)."
@@ -271,10 +288,11 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 @click.option(
     "--gpu",
     default=None,
-    metavar="NAME",
-    help="GPU spec of the speed prediction (core/dryrun/hardware/NAME.toml; default: the paper's).",
+    metavar="NAME|FILE",
+    help="GPU spec of the speed prediction: a name of core/dryrun/hardware/ or a spec file "
+    "(`run-recipe gpu-spec --measure` writes one); default: the paper's.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the ranked list as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.option(
     "--local-batch",
     type=int,
@@ -291,9 +309,26 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
 @click.option("--top", type=int, default=10, show_default=True, help="Candidates to print.")
 @click.option("--no-compile", is_flag=True, help="Estimate eager memory (default: per-block compile).")
 @click.option("--float8", is_flag=True, help="Float8 linears with float8 FSDP all-gather.")
-def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpus_per_node, top, no_compile, float8):
+def plan(
+    model,
+    gpus,
+    tokens,
+    days,
+    seq,
+    gpu_mem,
+    gpu,
+    as_json,
+    local_batch,
+    global_batch,
+    gpus_per_node,
+    top,
+    no_compile,
+    float8,
+):
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
-    estimate) ranked by predicted tokens/s per GPU (dry-run performance model)."""
+    estimate) ranked by predicted tokens/s per GPU (dry-run performance model). Without --gpus,
+    with --tokens and --days: the smallest GPU count (whole nodes) and layout predicted to train
+    on the tokens in time (recipes/plan_budget.py)."""
     from core.dryrun.accuracy import text as band_text
     from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
 
@@ -306,6 +341,14 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
     _check_plan_inputs(model, gpus, seq, gpu_mem, local_batch, global_batch)
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
+    setup = Setup(model, seq, gpu_mem, local_batch, global_batch, gpus_per_node, not no_compile, float8, spec)
+    if gpus is None:
+        from recipes.plan_budget import budget_command
+
+        if tokens is None or days is None:
+            raise click.UsageError("give --gpus, or --tokens and --days (the GPU count is then found)")
+        budget_command(setup, tokens, days, as_json, best_at)
+        return
     ranked = candidates(
         model,
         gpus,
@@ -317,12 +360,12 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
         float8,
         global_batch,
         by_speed=True,
-        gpu=spec.name,
+        gpu=spec,
     )
     if not ranked:
         raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
     if as_json:
-        click.echo(_ranked_json(ranked, spec.name))
+        click.echo(ranked_json(ranked, spec.name))
         return
     click.echo(
         f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
@@ -330,21 +373,45 @@ def plan(model, gpus, seq, gpu_mem, gpu, as_json, local_batch, global_batch, gpu
         f"tokens/s per GPU on {spec.name} (core.dryrun.runtime), error band {band_text()}; "
         "ranked by speed among those that fit:"
     )
-    click.echo(_ranked_table(ranked[:top]))
+    click.echo(ranked_table(ranked[:top]))
     best = ranked[0]
     click.echo(
         f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
         + ("" if best.fits else "  (nothing fits: the least memory is shown)")
     )
-    for line in _against_the_paper(ranked, model, gpus, seq):
+    if tokens is not None and best.fits:
+        took = tokens / (best.tps * gpus) / 86400
+        click.echo(f"{tokens:.3g} tokens at {best.tps * gpus:,.0f} tokens/s: {took:.1f} days predicted")
+    for line in against_the_paper(ranked, model, gpus, seq):
         click.echo(line)
 
 
-def _check_plan_inputs(model: str, gpus: int, seq: int, gpu_mem: float, local_batch, global_batch) -> None:
+def best_at(setup: Setup, gpus: int) -> Candidate | None:
+    """The first layout `plan --gpus` proposes at a GPU count when one fits and follows the
+    guidance (None otherwise: a count whose only fits break a rule does not count)."""
+    s = setup
+    ranked = candidates(
+        s.model,
+        gpus,
+        s.seq,
+        s.gpu_mem,
+        s.local_batch,
+        s.gpus_per_node,
+        s.compile_,
+        s.float8,
+        s.global_batch,
+        by_speed=True,
+        gpu=s.spec,
+        best_only=True,
+    )
+    return ranked[0] if ranked else None
+
+
+def _check_plan_inputs(model: str, gpus: int | None, seq: int, gpu_mem: float, local_batch, global_batch) -> None:
     """Each bound as it is, named by its option (click.BadParameter)."""
     from core.models.llama3 import FLAVORS
 
-    if gpus < 1:
+    if gpus is not None and gpus < 1:
         raise click.BadParameter(f"{gpus}: at least 1 GPU", param_hint="--gpus")
     if seq < 2:
         raise click.BadParameter(f"{seq}: at least 2 tokens (a token and the next one it predicts)", param_hint="--seq")
@@ -358,86 +425,3 @@ def _check_plan_inputs(model: str, gpus: int, seq: int, gpu_mem: float, local_ba
     for name, b in (("--local-batch", local_batch), ("--global-batch", global_batch)):
         if b is not None and b < 1:
             raise click.BadParameter(f"{b}: at least 1 sequence", param_hint=name)
-
-
-def _ranked_json(ranked: list[Candidate], gpu: str) -> str:
-    import json
-
-    return json.dumps(
-        [
-            {
-                "rank": i,
-                "layout": c.layout(),
-                "degrees": c.degrees,
-                "ac": c.ac,
-                "local_batch": c.local_batch,
-                "estimate_gib": round(c.estimate_gib, 2),
-                "fits": c.fits,
-                "violations": c.violations,
-                "gpu": gpu,
-                "tokens_per_sec_per_gpu": round(c.tps, 1),
-                "step_time_s": round(c.predicted["step_time_s"], 4),
-                "mfu": round(c.predicted["mfu"], 4),
-            }
-            for i, c in enumerate(ranked, 1)
-        ],
-        indent=2,
-    )
-
-
-def _ranked_table(shown: list[Candidate]) -> str:
-    from tabulate import tabulate
-
-    rows = []
-    for i, c in enumerate(shown, 1):
-        ac = c.ac if c.ac != "selective" else "selective op"
-        rows.append(
-            [
-                i,
-                c.layout(),
-                c.local_batch,
-                ac,
-                f"{c.estimate_gib:.1f}",
-                "yes" if c.fits else "no",
-                f"{c.tps:.0f}",
-                f"{c.predicted['mfu']:.1%}",
-                "; ".join(c.violations) or "-",
-            ]
-        )
-    headers = ["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
-    return tabulate(rows, headers=headers)
-
-
-def _against_the_paper(ranked: list[Candidate], model: str, gpus: int, seq: int) -> list[str]:
-    """Where each of the paper's layouts for this setting ranks here, and why it is not first."""
-    best, lines = ranked[0], []
-    for r, cfg in paper_layouts(model, gpus, seq):
-        p = cfg.parallelism
-        want = {"dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "cp": p.cp}
-        pos = next((i for i, c in enumerate(ranked, 1) if c.degrees == want), None)
-        lb = cfg.training.local_batch_size
-        if pos == 1:
-            lines.append(f"paper ({r.id}): the same layout.")
-            continue
-        if pos is None:
-            lines.append(
-                f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
-                f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})"
-            )
-            continue
-        c = ranked[pos - 1]
-        why = [
-            f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
-            f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")
-        ]
-        if c.local_batch != lb:
-            why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
-        if c.fits and best.fits:
-            why.append(f"{best.layout()} also fits and is predicted faster ({best.tps:.0f} tokens/s per GPU)")
-        lines.append(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
-    return lines
-
-
-def _paper_layout(d: dict) -> str:
-    names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
-    return " x ".join(f"{names[k]} {v}" for k, v in d.items() if v > 1) or "1 GPU"

@@ -10,14 +10,22 @@ same):
 - [gemm]: for each GEMM kernel family (`bf16`, `fp8_tensorwise`, `fp8_rowwise`) a small table
   of measured points `{m, n, k, efficiency, source, measured?}`: the fraction of the dtype's
   datasheet peak a GEMM of that shape reached. A family the spec has no table for is a recipe
-  the model refuses on that GPU (core/dryrun/gemm.py).
+  the model refuses on that GPU (core/dryrun/gemm.py);
+- [measured] (a measured spec only): the date, device, torch and driver of the measurement and
+  the `fields` it measured; every other number came from the spec it started from.
+
+A spec is named (a file of core/dryrun/hardware/) or given by its path (a `.toml` file, e.g. the
+one `run-recipe gpu-spec --measure --out FILE` wrote): both pass the same validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeGuard
 
 import tomllib
@@ -40,6 +48,7 @@ FIELDS = {
 }
 GEMM_KINDS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 GEMM_POINT_DIMS = ("m", "n", "k")
+MEASURED_KEYS = ("date", "device", "torch", "driver")  # the [measured] table's strings
 
 
 class SpecError(ValueError):
@@ -82,6 +91,7 @@ class GPUSpec:
     # (kind, measured points) for each GEMM kernel family the spec has a table for
     gemm: tuple[tuple[str, tuple[GemmPoint, ...]], ...] = ()
     calibration: str = ""
+    measured: str = ""  # a measured spec: "<date> on <device>, torch <version>, <driver>"
 
     def gemm_points(self, kind: str) -> tuple[GemmPoint, ...]:
         return dict(self.gemm).get(kind, ())
@@ -159,24 +169,118 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: missing field name")
+    gemm = _gemm_tables(data, where)
     return GPUSpec(
         name=name,
         description=str(data.get("description", "")),
         calibration=str(data.get("calibration", "")),
-        gemm=_gemm_tables(data, where),
+        gemm=gemm,
+        measured=_measured(data, where, {k for k, _ in gemm}),
         **values,
     )
 
 
-@functools.cache
+def _measured(data: dict, where: str, kinds: set[str]) -> str:
+    """The [measured] table of a measured spec, checked, as one line ("" for a spec without)."""
+    sec = data.get("measured")
+    if sec is None:
+        return ""
+    if not isinstance(sec, dict):
+        raise SpecError(f"{where}: [measured] must be a table")
+    for key in MEASURED_KEYS:
+        if not isinstance(sec.get(key), str) or not sec[key].strip():
+            raise SpecError(f"{where}: field measured.{key} must name the measurement's {key}")
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", sec["date"]):
+        raise SpecError(f"{where}: field measured.date must be a date YYYY-MM-DD, got {sec['date']!r}")
+    fields = sec.get("fields")
+    known = {f"{s}.{n}" for s, names in FIELDS.items() for n in names} | {f"gemm.{k}" for k in kinds}
+    if not isinstance(fields, list) or not fields or not all(isinstance(f, str) for f in fields):
+        raise SpecError(f"{where}: field measured.fields must list the numbers measured")
+    unknown = [f for f in fields if f not in known]
+    if unknown:
+        raise SpecError(f"{where}: field measured.fields names {unknown[0]!r}, not a number of this spec")
+    return f"{sec['date']} on {sec['device']}, torch {sec['torch']}, {sec['driver']}"
+
+
+def is_spec_file(name: str) -> bool:
+    """Whether --gpu names a spec file (a path) rather than a spec of core/dryrun/hardware/."""
+    return name.endswith(".toml") or "/" in name
+
+
 def load_spec(name: str = DEFAULT_GPU) -> GPUSpec:
-    """The named spec (file core/dryrun/hardware/<name>.toml); SpecError listing the known names."""
+    """The named spec (file core/dryrun/hardware/<name>.toml) or the spec file at a path (see
+    `is_spec_file`); SpecError listing the known names, or naming the file and its bad field."""
+    if is_spec_file(name):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SpecError(f"GPU spec file {name} does not exist (known spec names: {', '.join(known_gpus())})")
+        stat = path.stat()  # the file may be rewritten (a new measurement): cached per version
+        return _load_file(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    return _load_named(name)
+
+
+def _parse_text(text: str, where: str) -> GPUSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{where}: cannot parse: {e}") from None
+    return parse_spec(data, where)
+
+
+@functools.cache
+def _load_named(name: str) -> GPUSpec:
     known = known_gpus()
     if name not in known:
-        raise SpecError(f"unknown GPU spec {name!r}; known: {', '.join(known)}")
-    f = _dir() / f"{name}.toml"
-    try:
-        data = tomllib.loads(f.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"{name}.toml: cannot parse: {e}") from None
-    return parse_spec(data, f"{name}.toml")
+        raise SpecError(f"unknown GPU spec {name!r}; known: {', '.join(known)} (or a spec file's path)")
+    return _parse_text((_dir() / f"{name}.toml").read_text(encoding="utf-8"), f"{name}.toml")
+
+
+@functools.cache
+def _load_file(path: str, mtime_ns: int, size: int) -> GPUSpec:
+    return _parse_text(Path(path).read_text(encoding="utf-8"), path)
+
+
+# =============================================================================================
+# Writing a spec (`run-recipe gpu-spec --measure`)
+# =============================================================================================
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.6g}"  # six digits: a measurement's own spread is wider
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML form for {type(v).__name__}")
+
+
+def _toml_lines(key: str, v: object, notes: dict[str, str], where: str) -> list[str]:
+    note = notes.get(where)
+    return ([f"# {line}" for line in note.splitlines()] if note else []) + [f"{key} = {_toml_value(v)}"]
+
+
+def spec_toml(doc: dict, notes: dict[str, str] | None = None, header: str = "") -> str:
+    """A spec document (the parsed form: top-level strings, the tables of FIELDS and [measured],
+    [gemm] lists of points) as TOML; `notes` {"section.field": text} become comments above the
+    numbers (their sources), `header` the file's opening comment."""
+    notes = notes or {}
+    out = [f"# {line}" for line in header.splitlines()]
+    tables = {k: v for k, v in doc.items() if isinstance(v, dict)}
+    for key, v in doc.items():
+        if key not in tables:
+            out += _toml_lines(key, v, notes, key)
+    for section, values in tables.items():
+        if section == "gemm":
+            continue
+        out += ["", f"[{section}]"]
+        for key, v in values.items():
+            out += _toml_lines(key, v, notes, f"{section}.{key}")
+    for kind, points in tables.get("gemm", {}).items():
+        for point in points:
+            out += ["", f"[[gemm.{kind}]]"] + [f"{k} = {_toml_value(v)}" for k, v in point.items()]
+    text = "\n".join(out) + "\n"
+    parse_spec(tomllib.loads(text), doc.get("name", "spec"))  # what is written loads as it is read
+    return text

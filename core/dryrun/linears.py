@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.dryrun.activations import Shapes
+from core.dryrun.activations import Shapes, shapes
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import GPUSpec
+from core.models.args import model_args
 
 RECIPES = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 # GEMM kernel family of (output, grad input, grad weight) per recipe
@@ -75,6 +76,19 @@ def block_linears(s: Shapes) -> tuple[Linear, ...]:
         Linear("w3", s.d, s.f, "ffn", s.d, s.f * t),
         Linear("w2", s.f, s.d, "w2", s.f * t, s.d),
     )
+
+
+def model_gemms(cfg) -> list[tuple[int, int, int]]:
+    """(m, n, k) of every distinct GEMM of one microbatch as the model prices it: each block
+    linear's forward, grad input and grad weight at their TP-local widths (`gemms`), and the
+    output projection's three (core/dryrun/runtime.py `head_times`). `run-recipe gpu-spec
+    --measure` measures these shapes."""
+    s = shapes(cfg)
+    T, V = s.tokens, model_args(cfg, None).vocab_size // s.tp
+    out = [(T, V, s.d), (T, s.d, V), (V, s.d, T)]
+    for lin in block_linears(s):
+        out += [(T, lin.n, lin.k), (T, lin.k, lin.n), (lin.n, lin.k, T)]
+    return sorted(set(out))
 
 
 def recipe_of(cfg) -> str:

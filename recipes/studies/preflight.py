@@ -13,6 +13,9 @@ A few minutes of a small model through every feature the paper's rows need, each
   last one and must continue.
 Memory and throughput of each run are printed. What cannot run here is listed as skipped with
 its reason (CPU: NCCL, AsyncTP, real Float8 matmuls). Exit 0 when every feature that can run passed.
+
+`run-recipe preflight --gpus 1` is the one-device form instead (recipes/studies/preflight_one.py):
+the device measured into a spec, a one-device step predicted on it, run, and compared.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import click
 from core.fileio import atomic_write_json
 from recipes import launcher, modes
 from recipes.studies.parity_layouts import base_job
+from recipes.studies.preflight_one import one_device_options
 
 STEPS = 6
 PARITY_TOL = 1e-5  # fp32 on CPU gloo: only the summation order differs (as recipes/studies/parity.py)
@@ -385,10 +389,23 @@ def _cp_float8_verdicts(pf: Preflight, rec: dict, async_problem: str | None) -> 
     default=None,
     help="Folder of the runs (default runs/preflight/<timestamp>).",
 )
-def preflight(out: str | None) -> None:
-    """One node, a few minutes: every feature the rows need, a verdict each, 1D parity."""
+@one_device_options
+def preflight(
+    out: str | None, gpus: int | None, device: str, rounds: int, steps: int, threads: int, quick: bool
+) -> None:
+    """One node, a few minutes: every feature the rows need, a verdict each, 1D parity. With
+    --gpus 1: this device measured, a one-device step predicted on its spec and compared."""
     import torch  # local: `run-recipe --help` must not import torch
 
+    if gpus is not None:
+        if gpus != 1:
+            raise click.BadParameter(
+                f"{gpus}: only 1 (the one-device form); omit --gpus for the node's check", param_hint="--gpus"
+            )
+        from recipes.studies.preflight_one import one_device
+
+        folder = Path(out) if out else launcher.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S-gpus1")
+        sys.exit(one_device(folder.resolve(), rounds, steps, quick, threads, device))
     # the real form needs one node of 8 GPUs (the 3D layout); anything less runs the CPU proxy form
     real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
     if torch.cuda.is_available() and not real:

@@ -1,0 +1,106 @@
+"""What `run-recipe plan --gpus N` prints: the ranked layouts (a table or JSON) and where each of
+the paper's layouts for the setting ranks among them, and why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type names only: plan imports this module
+    from recipes.plan import Candidate
+
+
+def paper_layouts(model: str, gpus: int, seq: int) -> list:
+    """The paper's rows with this model, GPU count and sequence length."""
+    from recipes import registry
+
+    rows = []
+    for r in registry.all_recipes():
+        if r.gpus != gpus:
+            continue
+        cfg = r.job_config("real")
+        if cfg.model.flavor == model and cfg.training.seq_len == seq:
+            rows.append((r, cfg))
+    return rows
+
+
+def ranked_json(ranked: list[Candidate], gpu: str) -> str:
+    import json
+
+    return json.dumps(
+        [
+            {
+                "rank": i,
+                "layout": c.layout(),
+                "degrees": c.degrees,
+                "ac": c.ac,
+                "local_batch": c.local_batch,
+                "estimate_gib": round(c.estimate_gib, 2),
+                "fits": c.fits,
+                "violations": c.violations,
+                "gpu": gpu,
+                "tokens_per_sec_per_gpu": round(c.tps, 1),
+                "step_time_s": round(c.predicted["step_time_s"], 4),
+                "mfu": round(c.predicted["mfu"], 4),
+            }
+            for i, c in enumerate(ranked, 1)
+        ],
+        indent=2,
+    )
+
+
+def ranked_table(shown: list[Candidate]) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for i, c in enumerate(shown, 1):
+        ac = c.ac if c.ac != "selective" else "selective op"
+        rows.append(
+            [
+                i,
+                c.layout(),
+                c.local_batch,
+                ac,
+                f"{c.estimate_gib:.1f}",
+                "yes" if c.fits else "no",
+                f"{c.tps:.0f}",
+                f"{c.predicted['mfu']:.1%}",
+                "; ".join(c.violations) or "-",
+            ]
+        )
+    headers = ["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
+    return tabulate(rows, headers=headers)
+
+
+def against_the_paper(ranked: list[Candidate], model: str, gpus: int, seq: int) -> list[str]:
+    """Where each of the paper's layouts for this setting ranks here, and why it is not first."""
+    best, lines = ranked[0], []
+    for r, cfg in paper_layouts(model, gpus, seq):
+        p = cfg.parallelism
+        want = {"dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "cp": p.cp}
+        pos = next((i for i, c in enumerate(ranked, 1) if c.degrees == want), None)
+        lb = cfg.training.local_batch_size
+        if pos == 1:
+            lines.append(f"paper ({r.id}): the same layout.")
+            continue
+        if pos is None:
+            lines.append(
+                f"paper ({r.id}): {_paper_layout(want)} -- not a candidate here (its local batch "
+                f"{lb} does not fit this plan's batch rule: pass --local-batch {lb})"
+            )
+            continue
+        c = ranked[pos - 1]
+        why = [
+            f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
+            f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")
+        ]
+        if c.local_batch != lb:
+            why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
+        if c.fits and best.fits:
+            why.append(f"{best.layout()} also fits and is predicted faster ({best.tps:.0f} tokens/s per GPU)")
+        lines.append(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
+    return lines
+
+
+def _paper_layout(d: dict) -> str:
+    names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
+    return " x ".join(f"{names[k]} {v}" for k, v in d.items() if v > 1) or "1 GPU"
