@@ -16,6 +16,7 @@ share them (the report gives the load average).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -24,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from core.checkpoint_dist import checkpoint_group, gather_checksums, own_checksums, verification_plan, verify_everywhere
 from core.checkpoint_folder import INFO, METADATA, publish, step_dir, tmp_dir
 from core.checkpoint_manifest import ALGORITHM, checksum_files, write_manifest
+from core.fileio import atomic_write_json
+from core.metrics import cpu_model
+from core.result import versions
 
 TIMEOUT_S = 1800.0
 
@@ -120,9 +123,10 @@ def report(rows: list[dict], baseline: dict | None, folder: Path, args: argparse
         "ranks": rows,
         "baseline_rank0_alone_s": baseline["seconds"] if baseline else None,
         "baseline_rank0_alone_cpu_s": baseline["cpu_seconds"] if baseline else None,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
         "load_average_1m_at_end": os.getloadavg()[0],
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "versions": {"python": platform.python_version(), **versions()},  # torch, torchao, git commit
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     print(
         f"{len(rows)} ranks, {args.mib} MiB sparse shard each, {ALGORITHM}, {os.cpu_count()} cores, "
@@ -142,7 +146,7 @@ def report(rows: list[dict], baseline: dict | None, folder: Path, args: argparse
             f"({baseline['cpu_seconds']:.2f} s CPU)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        atomic_write_json(Path(args.json), out, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
