@@ -10,12 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from core.fileio import atomic_path
+from core.fileio import atomic_copy, atomic_path
 from recipes import launcher
 from recipes.peer_bench.patches import TORCHTITAN_VERSION, PatchError, apply_all
 
@@ -173,7 +174,10 @@ def build_tokenizer(venv: Path, say: Callable[[str], None]) -> Path:
         say(f"tokenizer present: {launcher.relative(out)}")
         return out
     say(f"training the tokenizer: {launcher.relative(out)}")
-    _run([str(venv_python(venv)), str(TOKENIZER_SCRIPT), str(corpus_file()), str(out)], "tokenizer build")
+    with tempfile.TemporaryDirectory() as staging:  # the peer's interpreter writes there; we publish
+        _run([str(venv_python(venv)), str(TOKENIZER_SCRIPT), str(corpus_file()), staging], "tokenizer build")
+        for name in ("tokenizer_config.json", "tokenizer.json"):  # tokenizer.json last: it marks "present"
+            atomic_copy(Path(staging) / name, out / name)
     return out
 
 

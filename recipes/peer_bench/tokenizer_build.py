@@ -47,8 +47,8 @@ def train(corpus: str):
 
 
 def save(tok, out_dir: str) -> None:
-    """tokenizer.json and the config torchtitan reads its bos/eos tokens from; each file is written
-    beside its final name and renamed, so an interrupted build leaves no half file."""
+    """tokenizer.json and the config torchtitan reads its bos/eos tokens from, into `out_dir` (the
+    caller's staging folder: it moves them into place with the project's atomic writer)."""
     os.makedirs(out_dir, exist_ok=True)
     config = {
         "bos_token": BOS,
@@ -58,14 +58,10 @@ def save(tok, out_dir: str) -> None:
         },
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    tmp = os.path.join(out_dir, ".tokenizer.json.tmp")
-    tok.save(tmp)
-    os.replace(tmp, os.path.join(out_dir, "tokenizer.json"))
-    tmp = os.path.join(out_dir, ".tokenizer_config.json.tmp")
-    with open(tmp, "w") as f:
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    os.replace(tmp, os.path.join(out_dir, "tokenizer_config.json"))
 
 
 def main(argv: list[str]) -> int:
