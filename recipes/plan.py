@@ -25,12 +25,12 @@ CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroo
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import click
 
 from recipes.plan_budget import DAYS, TOKENS, Setup
+from recipes.plan_candidate import Candidate
 from recipes.plan_report import against_the_paper, ranked_json, ranked_table
 
 if TYPE_CHECKING:  # type names only: the spec module is loaded when a plan runs
@@ -40,54 +40,6 @@ FSDP_MAX_GROUP = 128
 LONG_CONTEXT = 32768
 SPEED_TIE = 0.03  # predicted tokens/s within 3% of the fastest: ordered by the rules
 AC_ORDER = (("none", "op"), ("selective", "op"), ("full", "op"))  # cheapest recompute first
-
-
-@dataclasses.dataclass
-class Candidate:
-    degrees: dict
-    ac: str
-    local_batch: int
-    microbatches: int
-    estimate_gib: float
-    fits: bool
-    violations: list[str]
-    peak_at: str
-    breakdown: dict
-    cfg: object = dataclasses.field(default=None, repr=False)
-    memory: dict | None = dataclasses.field(default=None, repr=False)  # estimate_memory's result
-    predicted: dict | None = None  # core.dryrun.runtime.predict, when ranked by speed
-
-    @property
-    def tps(self) -> float:
-        return self.predicted["tokens_per_sec_per_gpu"] if self.predicted else 0.0
-
-    @property
-    def dims_used(self) -> int:
-        return sum(1 for k in ("dp_shard", "tp", "pp", "cp") if self.degrees[k] > 1)
-
-    def key(self):
-        # FSDP first, then TP, then PP, then CP: fewer non-FSDP dimensions, and TP before PP
-        # before CP; then the cheapest AC, the shortest pipeline, the widest TP, the most headroom.
-        d = self.degrees
-        extra = [d["tp"] > 1, d["pp"] > 1, d["cp"] > 1]
-        ac_rank = ["none", "selective", "full"].index(self.ac)
-        return (
-            not self.fits,
-            len(self.violations),
-            sum(extra),
-            extra[2],
-            extra[1],
-            ac_rank,
-            d["pp"],
-            d["cp"],
-            -d["tp"],
-            self.estimate_gib,
-        )
-
-    def layout(self) -> str:
-        names = {"dp_shard": "FSDP", "tp": "TP", "pp": "PP", "cp": "CP"}
-        parts = [f"{names[k]} {self.degrees[k]}" for k in ("dp_shard", "tp", "pp", "cp") if self.degrees[k] > 1]
-        return " x ".join(parts) or "1 GPU"
 
 
 def _divisors(n: int) -> list[int]:

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-if TYPE_CHECKING:  # type names only: plan imports this module
+if TYPE_CHECKING:  # type names only
     from core.dryrun.gpuspec import GPUSpec
-    from recipes.plan import Candidate
+    from recipes.plan_candidate import Candidate
 
 MAX_GPUS = 16384
 SECONDS_PER_DAY = 86400

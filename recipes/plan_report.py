@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # type names only: plan imports this module
-    from recipes.plan import Candidate
+if TYPE_CHECKING:  # type names only
+    from recipes.plan_candidate import Candidate
 
 
 def paper_layouts(model: str, gpus: int, seq: int) -> list:
