@@ -46,36 +46,6 @@ CASE_PARAMS = [pytest.param(n, d, id=f"{n}-{d}") for n, d in CASES]
 GRAD_NORM_RTOL = {"fp32": 2e-4, "bf16": 1e-2}
 
 
-class _Runs:
-    """Runs each selected case once, all cases of one world size and dtype in one torchrun."""
-
-    def __init__(self, selected: set[tuple[str, str]], root: Path):
-        self.selected, self.root, self.rows = selected, root, {}
-
-    def get(self, name: str, dtype: str) -> dict:
-        if (name, dtype) not in self.rows:
-            world = PL.BY_NAME[name].world_size
-            names = {
-                n
-                for n, d in self.selected | {(name, dtype)}
-                if d == dtype and PL.BY_NAME[n].world_size == world and (n, d) not in self.rows
-            }
-            group = [layout for layout in PL.LAYOUTS if layout.name in names]
-            for row in P.run_grouped(group, dtype, self.root / dtype):
-                self.rows[(row["layout"], dtype)] = row
-        return self.rows[(name, dtype)]
-
-
-@pytest.fixture(scope="session")
-def parity_runs(request, tmp_path_factory) -> _Runs:
-    selected = set()
-    for item in request.session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.originalname == "test_layout_loss_parity" and "name" in params:
-            selected.add((params["name"], params["dtype"]))
-    return _Runs(selected, tmp_path_factory.mktemp("parity"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype", CASE_PARAMS)
 def test_layout_loss_parity(parity_runs, name, dtype):

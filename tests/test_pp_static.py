@@ -19,7 +19,6 @@ from core.parallel.pipeline import activation_dtype, stage_examples
 from core.parallel.stages import StageShapes, static_stage_shapes
 from core.validate import validate
 from recipes import registry
-from recipes.studies import parity as P
 from recipes.studies import parity_layouts as PL
 from tests.dist_utils import GROUPS, ROOT, TINY_JOB, dist_env, max_abs_diff, run_trainer, torchrun_command
 
@@ -164,30 +163,30 @@ PP_LAYOUTS = [layout for layout in PL.LAYOUTS if layout.pp > 1]
 CASES = [(layout.name, "fp32") for layout in PP_LAYOUTS] + [("pp2_1f1b", "bf16"), ("fsdp2_tp2_pp2", "bf16")]
 
 
-def _job(name: str, dtype: str, static: bool) -> str:
-    return f"ppstatic.{name}.{dtype}.{'static' if static else 'dynamic'}"
+def _job(name: str, dtype: str) -> str:
+    return f"ppstatic.{name}.{dtype}"
 
 
+# Static shapes here; the same layout with torch's inference is the parity suite's run (parity_runs).
 for _name, _dtype in CASES:
     _layout = PL.BY_NAME[_name]
-    for _static in (False, True):
-        _overrides = [*_layout.overrides(_dtype), f"--parallelism.pp_static_shapes={str(_static).lower()}"]
-        GROUPS.add(_layout.world_size, {_job(_name, _dtype, _static): _overrides})
+    _static = [*_layout.overrides(_dtype), "--parallelism.pp_static_shapes=true"]
+    GROUPS.add(_layout.world_size, {_job(_name, _dtype): _static})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
-def test_static_shapes_give_the_dynamic_losses(name, dtype, tmp_path_factory):
+def test_static_shapes_give_the_dynamic_losses(name, dtype, parity_runs, tmp_path_factory):
     """Every PP layout of the parity suite (every schedule at pp 2 and 4, FSDP x TP x PP (x CP)):
-    the same per-step losses and grad norms, bit for bit, as with torch's dynamic inference."""
-    static, dynamic = (GROUPS.get(_job(name, dtype, s), tmp_path_factory) for s in (True, False))
+    the same per-step losses and grad norms, bit for bit, as the parity run of the layout (torch's
+    dynamic inference, the default)."""
+    static, dynamic = GROUPS.get(_job(name, dtype), tmp_path_factory), parity_runs.get(name, dtype)
     assert static["losses"] == dynamic["losses"] and len(static["losses"]) == PL.STEPS
     assert static["grad_norms"] == dynamic["grad_norms"]
     assert "pp_static_shapes" in static["toggles_applied"]
-    assert "pp_static_shapes" not in dynamic["toggles_applied"]
+    assert "pp_static_shapes" not in dynamic["toggles"]
     layout = PL.BY_NAME[name]
-    ref = P.reference(layout, dtype)["losses"]
-    assert max_abs_diff(static["losses"], ref) <= (layout.tolerance or PL.TOLERANCE[dtype])
+    assert max_abs_diff(static["losses"], dynamic["reference"]) <= (layout.tolerance or PL.TOLERANCE[dtype])
     assert static["first_step_timeout_s"] == 300 and static["first_step_timeout_reason"] == "comm.init_timeout_seconds"
 
 

@@ -127,6 +127,7 @@ def compare(layout: Layout, dtype: str, record: dict, wall: float) -> dict:
         "tolerance": tol,
         "passed": max(diffs) <= tol,
         "losses": record["losses"],
+        "grad_norms": record["grad_norms"],
         "reference": ref["losses"],
         "step_time_s": sum(steady) / len(steady),
         "peak_memory_gib_per_rank": record["peak_memory_gib_per_rank"],
