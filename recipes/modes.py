@@ -380,17 +380,18 @@ def launch_trainer(
     mode: RowMode = PROXY,
     echo: bool = False,
     max_restarts: int = 0,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Studies and tests: torchrun `world` ranks of core.train with `--section.key=value`
-    overrides, output in out_dir; returns the record (result.json). Raises RuntimeError with the
-    log's tail when the run fails."""
+    overrides, output in out_dir; returns the record (result.json). `env`: variables set for the
+    ranks over the mode's own. Raises RuntimeError with the log's tail when the run fails."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = launcher.trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode.name}"])
     cmd = launcher.torchrun_command(world, target, max_restarts=max_restarts, forked=mode.forks_ranks)
     log = out_dir / "train.log"
     with run_lock.run_dir_lock(out_dir):
-        rc = launcher.run_logged(cmd, mode.env(world), log, echo)
+        rc = launcher.run_logged(cmd, mode.env(world, **(env or {})), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():
         raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{launcher.log_tail(log)}")

@@ -276,3 +276,30 @@ def test_tokenizer_build_writes_what_torchtitan_loads(tmp_path):
     assert tok.get_vocab_size() <= 2048
     assert tok.token_to_id(config["bos_token"]) == 0 and tok.token_to_id(config["eos_token"]) == 1
     assert tok.decode(tok.encode("not to be").ids) == "not to be"
+
+
+@pytest.mark.parametrize("nproc,threads", [(1, "2"), (2, "1")])
+def test_run_ours_launches_the_trainer_with_its_threads_and_reads_its_metrics(nproc, threads, monkeypatch, tmp_path):
+    """run_ours through the project's launcher (a stand-in bound to modes.launch_trainer's real
+    signature, so a changed launcher fails here): the shared shape, the thread count per rank, and
+    the mean of the steady steps of the metrics the trainer wrote."""
+    import inspect
+
+    from recipes import modes
+
+    real = inspect.signature(modes.launch_trainer)
+    seen = {}
+
+    def launch(*args, **kwargs):
+        bound = real.bind(*args, **kwargs)
+        seen.update(bound.arguments)
+        lines = [f'{{"step": {s}, "tokens_per_sec_per_device": {100.0 * s}}}\n' for s in range(1, 6)]
+        Path(bound.arguments["out_dir"], "metrics.jsonl").write_text("".join(lines))
+        return {}
+
+    monkeypatch.setattr(environment, "work_dir", lambda: tmp_path / "work")
+    monkeypatch.setattr(modes, "launch_trainer", launch)
+    tps = runs.run_ours(nproc, 5, ("training.seed=3",))
+    assert tps == pytest.approx((300 + 400 + 500) / 3)  # steps FIRST_STEADY (3) .. 5
+    assert seen["world"] == nproc and seen["overrides"] == runs.ours_overrides(5, ("training.seed=3",))
+    assert seen["env"] == {"OMP_NUM_THREADS": threads}

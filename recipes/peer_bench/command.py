@@ -19,9 +19,8 @@ import click
 
 from core.config import ConfigError, load_config
 from core.validate import validate
+from recipes.modes import EXIT_CANNOT, EXIT_CONFIG, EXIT_FAILED
 from recipes.peer_bench import environment, runs
-
-EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = 1, 2, 3  # as recipes/cli.py
 
 
 def _say(message: str) -> None:

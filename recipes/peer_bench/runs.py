@@ -10,7 +10,6 @@ up, step 2 still pays one-time costs).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime
 import io
@@ -22,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.fileio import atomic_write
-from recipes import launcher
+from recipes import launcher, modes
 from recipes.peer_bench import environment
 from recipes.peer_bench.patches import TORCHTITAN_VERSION
 from recipes.results import write_csv
@@ -146,26 +145,13 @@ def ours_tps(metrics_jsonl: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["tokens_per_sec_per_device"]) for r in rows}
 
 
-@contextlib.contextmanager
-def _omp_threads(n: int):
-    """OMP_NUM_THREADS for the ranks launch_trainer starts (its environment is this process's)."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-
-
 def run_ours(nproc: int, steps: int, extra: tuple[str, ...] = ()) -> float:
     """core.train through the project's launcher; its mean steady tokens/s per rank."""
     work = environment.work_dir()
     work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ours-", dir=work) as out, _omp_threads(threads_per_rank(nproc)):
-        launcher.launch_trainer(nproc, ours_overrides(steps, extra), out, mode="proxy")
+    with tempfile.TemporaryDirectory(prefix="ours-", dir=work) as out:
+        threads = {"OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+        modes.launch_trainer(nproc, ours_overrides(steps, extra), out, env=threads)
         return steady_mean(ours_tps(Path(out) / "metrics.jsonl"), steps, "our metrics.jsonl")
 
 
