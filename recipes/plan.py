@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from recipes.plan_budget import DAYS, TOKENS, Setup
+from recipes.plan_budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
 from recipes.plan_candidate import Candidate
 from recipes.plan_report import against_the_paper, ranked_json, ranked_table
 
@@ -117,20 +117,7 @@ def _cheapest_ac(
         est = estimate_memory(cfg, gpu_gib=gpu_mem)
         # Uncapped: a plan needs the allocator's usual slack, not its retry path.
         need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
-        c = Candidate(
-            dict(degrees),
-            ac[0],
-            lb,
-            cfg.parallelism.pp_microbatches or 1,
-            need,
-            need <= gpu_mem,
-            [],
-            est["peak_at"],
-            est["breakdown"],
-            cfg,
-        )
-        c.memory = est
-        return c
+        return Candidate(dict(degrees), ac[0], lb, need, need <= gpu_mem, [], cfg, est)
 
     full = at(AC_ORDER[-1]) if fits_only else None
     if fits_only and (full is None or not full.fits):
@@ -332,7 +319,7 @@ def plan(
         + ("" if best.fits else "  (nothing fits: the least memory is shown)")
     )
     if tokens is not None and best.fits:
-        took = tokens / (best.tps * gpus) / 86400
+        took = tokens / (best.tps * gpus) / SECONDS_PER_DAY
         click.echo(f"{tokens:.3g} tokens at {best.tps * gpus:,.0f} tokens/s: {took:.1f} days predicted")
     for line in against_the_paper(ranked, model, gpus, seq):
         click.echo(line)

@@ -131,7 +131,7 @@ def fastest_tokens_per_gpu(setup: Setup) -> float:
     a, s = get_args(setup.model), setup.spec
     gemm_rate = max(tile_rate(s, kind, math.inf) for kind, _ in s.gemm)
     attn_rate = s.peak_bf16_flops * max(s.flash_attention_fwd, s.flash_attention_bwd) * s.clock_fraction
-    gemm_flops = 6 * (param_count(a) - a.vocab_size * a.dim)
+    gemm_flops = 6 * param_count(a, exclude_embedding=True)
     attn_flops = (1 + FLASH_BWD_OVER_FWD) * 2 * setup.seq * a.n_heads * a.head_dim * a.n_layers
     return 1 / (gemm_flops / gemm_rate + attn_flops / attn_rate)
 
@@ -215,7 +215,7 @@ def _why_not(s: Search, memory_bound: int, bound_nodes: int) -> str:
     )
 
 
-def _band(days: float) -> tuple[str, float | None]:
+def _band() -> tuple[str, float | None]:
     """The model's error band as text, and the days' range it implies (None before a validation)."""
     from core.dryrun import accuracy
 
@@ -234,7 +234,7 @@ def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
         "finishes": a.found is not None,
         "why_not": a.why_not or None,
         "searched": [{"gpus": r.gpus, "fits": r.best is not None, "days": r.days} for r in a.tried],
-        "error_band": _band(0)[0],
+        "error_band": _band()[0],
         "search_s": round(took_s, 2),
     }
     if a.found is not None and a.found.best is not None and a.found.days is not None:
@@ -270,7 +270,7 @@ def budget_command(
     if as_json:
         click.echo(json.dumps(answer_json(setup, a, took), indent=2))
         sys.exit(0 if a.found else 1)
-    band, frac = _band(days)
+    band, frac = _band()
     click.echo(
         f"Llama 3.1 {setup.model}, {tokens:.4g} tokens in at most {days:g} days on {setup.spec.name} "
         f"({setup.gpus_per_node} per node, {setup.gpu_mem:g} GiB), seq {setup.seq}; searched in {took:.1f} s:"

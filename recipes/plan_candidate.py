@@ -12,12 +12,9 @@ class Candidate:
     degrees: dict
     ac: str
     local_batch: int
-    microbatches: int
     estimate_gib: float
     fits: bool
     violations: list[str]
-    peak_at: str
-    breakdown: dict
     cfg: object = dataclasses.field(default=None, repr=False)
     memory: dict | None = dataclasses.field(default=None, repr=False)  # estimate_memory's result
     predicted: dict | None = None  # core.dryrun.runtime.predict, when ranked by speed
@@ -25,10 +22,6 @@ class Candidate:
     @property
     def tps(self) -> float:
         return self.predicted["tokens_per_sec_per_gpu"] if self.predicted else 0.0
-
-    @property
-    def dims_used(self) -> int:
-        return sum(1 for k in ("dp_shard", "tp", "pp", "cp") if self.degrees[k] > 1)
 
     def key(self):
         # FSDP first, then TP, then PP, then CP: fewer non-FSDP dimensions, and TP before PP

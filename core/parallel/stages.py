@@ -206,22 +206,18 @@ class StageShapes(NamedTuple):
 def static_stage_shapes(cfg: JobConfig, n_layers: int, dim: int, vocab: int) -> StageShapes:
     """The shapes from the config: CP shards the sequence of the tokens (the step shards the batch
     before the schedule splits it), TP's sequence parallelism the hidden states between blocks,
-    loss parallel the logits' vocabulary. ConfigError naming the key when a size does not divide:
-    then ranks or microbatches would differ in shape, which one example cannot describe."""
+    loss parallel the logits' vocabulary. The batch, sequence and hidden-state splits divide evenly
+    once validated (check_pipeline, core.validate); a vocabulary loss parallel cannot split evenly
+    is ConfigError naming the key: shards would differ in shape between ranks, which one example
+    per stage cannot describe."""
     t, p = cfg.training, cfg.parallelism
     key = "parallelism.pp_static_shapes"
     micro = pp_microbatches(p, n_layers)
     shards = p.tp if p.tp > 1 and p.loss_parallel else 1
-    for size, by, what in (
-        (t.local_batch_size, micro, f"training.local_batch_size {t.local_batch_size} over {micro} microbatches"),
-        (t.seq_len, p.cp, f"training.seq_len {t.seq_len} over cp {p.cp}"),
-        (t.seq_len // p.cp, p.tp, f"the {t.seq_len // p.cp} tokens of a cp rank over tp {p.tp}"),
-        (vocab, shards, f"the vocabulary ({vocab} tokens) over tp {p.tp} (loss parallel)"),
-    ):
-        if size % by:
-            raise ConfigError(
-                f"{key}: {what} does not divide evenly, so shards differ in shape between ranks "
-                f"and one example per stage cannot describe them (set {key} = false)"
-            )
+    if vocab % shards:
+        raise ConfigError(
+            f"{key}: the vocabulary ({vocab} tokens) over tp {p.tp} (loss parallel) does not divide evenly, so "
+            f"shards differ in shape between ranks and one example per stage cannot describe them (set {key} = false)"
+        )
     mb, seq = t.local_batch_size // micro, t.seq_len // p.cp
     return StageShapes((mb, seq), (mb, seq // p.tp, dim), (mb, seq, vocab), shards)
