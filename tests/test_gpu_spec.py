@@ -266,7 +266,7 @@ def test_the_verdict_is_the_median_error_of_each_bf16_layout():
     from recipes.studies.preflight_one import TARGET, Run, _summary, comparison_table
 
     def run(ac: str, measured: float, predicted: float, r: int) -> Run:
-        return Run(f"bf16, AC {ac}", "bf16", ac, [measured] * 3, 0.2, {"measured": predicted}, 0.19, r, 1.0)
+        return Run(f"bf16, AC {ac}", "bf16", ac, [measured] * 3, 0.2, {"measured": predicted}, 0.19, 1.0)
 
     # AC none: one round off by 60%, the median of three within TARGET; AC full: off in two of three
     runs = [run("none", 1.0, p, r) for r, p in enumerate((0.9, 1.6, 1.1))]

@@ -21,6 +21,7 @@ is fitted to the step: the prediction reads only the spec measured in the same r
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import statistics
 import time
@@ -45,7 +46,6 @@ class Run:
     memory_gib: float
     predicted_s: dict[str, float]
     predicted_gib: float
-    round: int
     load: float  # the machine's 1-minute load average after the steps (a shared machine's share)
 
     @property
@@ -201,7 +201,6 @@ def compare(out: Path, rounds: int, steps: int, quick: bool, threads: int | None
                 mem,
                 pred,
                 reserved_gib if m.device.kind == "cuda" else alloc_gib,
-                r,
                 os.getloadavg()[0],
             )
             runs.append(run)
@@ -243,6 +242,7 @@ def _summary(runs: list[Run], specs: list[str], device: str) -> dict:
     from core.result import versions  # torch, python, torchao, the git commit
 
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device,
         "versions": versions(),
         "specs": specs,
