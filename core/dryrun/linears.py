@@ -78,16 +78,24 @@ def block_linears(s: Shapes) -> tuple[Linear, ...]:
     )
 
 
-def model_gemms(cfg) -> list[tuple[int, int, int]]:
-    """(m, n, k) of every distinct GEMM of one microbatch as the model prices it: each block
+GemmShape = tuple[float, float, float]  # (m, n, k)
+
+
+def linear_gemm_shapes(tokens: float, n: int, k: int) -> tuple[GemmShape, GemmShape, GemmShape]:
+    """(m, n, k) of a linear's forward, grad input and grad weight GEMMs for `tokens` rows."""
+    return (tokens, n, k), (tokens, k, n), (n, k, tokens)
+
+
+def model_gemms(cfg) -> list[GemmShape]:
+    """(m, n, k), whole numbers, of every distinct GEMM of one microbatch as the model prices it: each block
     linear's forward, grad input and grad weight at their TP-local widths (`gemms`), and the
     output projection's three (core/dryrun/runtime.py `head_times`). `run-recipe gpu-spec
     --measure` measures these shapes."""
     s = shapes(cfg)
     T, V = s.tokens, model_args(cfg, None).vocab_size // s.tp
-    out = [(T, V, s.d), (T, s.d, V), (V, s.d, T)]
+    out = list(linear_gemm_shapes(T, V, s.d))
     for lin in block_linears(s):
-        out += [(T, lin.n, lin.k), (T, lin.k, lin.n), (lin.n, lin.k, T)]
+        out += linear_gemm_shapes(T, lin.n, lin.k)
     return sorted(set(out))
 
 
@@ -114,8 +122,9 @@ def gemm_kinds(lin: Linear, recipe: str) -> tuple[str, str, str]:
 def gemms(spec: GPUSpec, tokens: float, lin: Linear, recipe: str) -> tuple[float, float]:
     """(forward, backward) seconds of the linear's GEMMs for `tokens` rows."""
     out, g_in, g_w = gemm_kinds(lin, recipe)
-    fwd = gemm_seconds(spec, tokens, lin.n, lin.k, out)
-    bwd = gemm_seconds(spec, tokens, lin.k, lin.n, g_in) + gemm_seconds(spec, lin.n, lin.k, tokens, g_w)
+    f, gi, gw = linear_gemm_shapes(tokens, lin.n, lin.k)
+    fwd = gemm_seconds(spec, *f, out)
+    bwd = gemm_seconds(spec, *gi, g_in) + gemm_seconds(spec, *gw, g_w)
     return fwd, bwd
 
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds
+from core.dryrun.linears import block_linear_seconds, linear_gemm_shapes
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.models.args import model_args
 
@@ -182,8 +182,9 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     r = _Rates(spec)
     T = s.tokens
     V = vocab // s.tp
-    mm_f = gemm_seconds(spec, T, V, s.d, "bf16")
-    mm_b = gemm_seconds(spec, T, s.d, V, "bf16") + gemm_seconds(spec, V, s.d, T, "bf16")
+    f, gi, gw = linear_gemm_shapes(T, V, s.d)
+    mm_f = gemm_seconds(spec, *f, "bf16")
+    mm_b = gemm_seconds(spec, *gi, "bf16") + gemm_seconds(spec, *gw, "bf16")
     # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way).
     ce = 18 * T * V / r.hbm
     norm = (8 if cfg.compile.enabled else 42) * T * s.sp * s.d / r.hbm
