@@ -54,11 +54,11 @@ PAUSE_ENV = "TITAN_DEBUG_PAUSE"
 
 # ----------------------------------------------------------------------------------- timeouts
 # One pipeline stage's cold compile (its block graph, forward and backward; one graph serves every
-# block and stage of a rank). Measured by scripts/pp_cold_compile.py on the project's 2-core CPU
-# (torch 2.13 CPU, inductor's C++ and gcc, each rank on its own empty cache; compile + full AC +
-# bf16 + Float8 emulated): 65, 59 and 67 s of CPU per stage at pp 2 x 2 blocks, pp 2 x 4 blocks
-# and pp 4 x 2 blocks: per stage, not per block. The constant is 1.8x the largest: the 405B rows'
-# GPU graphs (Triton kernels, AsyncTP's split matmuls, TP collectives) were not measured here.
+# block and stage of a rank). Measured by scripts/pp_cold_compile.py (results/pp_cold_compile.json:
+# torch 2.13 CPU, inductor's C++ and gcc, each rank on its own empty cache; compile + full AC + bf16
+# + Float8 emulated) at pp 2 x 2 blocks, pp 2 x 4 blocks and pp 4 x 2 blocks: per stage, not per
+# block. The constant is more than twice the largest there: the 405B rows' GPU graphs (Triton
+# kernels, AsyncTP's split matmuls, TP collectives) were not measured here.
 COLD_STAGE_COMPILE_S = 120
 
 

@@ -7,9 +7,10 @@ compiling in-process, gcc included; CPU time rather than wall because the machin
 what compiling cost the pipeline; each pp rank compiles its stages' block graph once, so divided
 by pp it is the cold compile of one stage. Cases vary pp and the blocks per stage: the per-stage
 figure should stay flat in both (one graph serves every block of a rank). The first step's wall
-time is printed too: the ranks compile one after another, so it grows with pp. One JSON line per case.
+time is printed too: the ranks compile one after another, so it grows with pp. One JSON line per case;
+with --json, a report of every case naming the date, CPU, versions and commit.
 
-    PYTHONPATH=$PWD python scripts/pp_cold_compile.py [--cases pp2_b2,pp2_b4,pp4_b2]
+    PYTHONPATH=$PWD python scripts/pp_cold_compile.py [--cases pp2_b2,pp2_b4,pp4_b2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def _rank_main(cache: str, overrides: list[str]) -> int:
 @click.command()
 @click.option("--cases", default=",".join(CASES), help=f"Comma-separated, of: {', '.join(CASES)}.")
 @click.option("--rank-cache", default=None, help="(Internal: what each rank runs.) Train on CACHE/rank_R.")
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Also write the report here.")
 @click.argument("overrides", nargs=-1)
-def main(cases: str, rank_cache: str | None, overrides: tuple[str, ...]) -> None:
+def main(cases: str, rank_cache: str | None, json_out: str | None, overrides: tuple[str, ...]) -> None:
     if rank_cache:
         sys.exit(_rank_main(rank_cache, list(overrides)))
+    rows = []
     for name in cases.split(","):
         pp, flavor = CASES[name]
         with tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +102,15 @@ def main(cases: str, rank_cache: str | None, overrides: tuple[str, ...]) -> None
         row = {"case": name, "pp": pp, "flavor": flavor, "compile_cpu_s": round(compile_cpu, 1)}
         row |= {"per_stage_cpu_s": round(compile_cpu / pp, 1), "cold": cold, "eager": eager}
         click.echo(json.dumps(row))
+        rows.append(row)
+    if json_out:
+        from core.fileio import atomic_write_json
+        from core.metrics import cpu_model
+        from core.result import versions
+
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        report = {"what": __doc__.split("\n", 1)[0], "date": when, "cpu": cpu_model(), "versions": versions()}
+        atomic_write_json(Path(json_out), {**report, "cases": rows}, indent=1)
 
 
 if __name__ == "__main__":
