@@ -48,6 +48,7 @@ class Figure:
     measured: float
     overrides: tuple[str, ...] = ()
     fitted: bool = False
+    outside: str = ""  # why the figure ran outside its spec's conditions (shown, never judged)
     predicted: float | None = None
     cfg: object = field(default=None, repr=False)
 
@@ -70,8 +71,11 @@ def figures() -> list[Figure]:
             if r.reference.get(key):
                 out.append(Figure(f"{col}/{r.id}", col, r.id, DEFAULT_GPU, float(r.reference[key])))
     for f in data()["figures"]:
+        measured = float(f["measured_tps_per_gpu"])
         out.append(
-            Figure(f["id"], f["source"], f["row"], f["gpu"], float(f["measured_tps_per_gpu"]), tuple(f.get("set", ())))
+            Figure(
+                f["id"], f["source"], f["row"], f["gpu"], measured, tuple(f.get("set", ())), False, f.get("outside", "")
+            )
         )
     fitted = set(calibrate.fitted_figures())
     for f in out:
@@ -99,16 +103,44 @@ def predict_all(figs: list[Figure]) -> list[Figure]:
     return figs
 
 
-def summary(figs: list[Figure]) -> dict:
-    judged = [f for f in figs if not f.fitted]
-    errs = [abs(f.error_pct) for f in judged]
-    worst = max(judged, key=lambda f: abs(f.error_pct))
+def judged(figs: list[Figure]) -> list[Figure]:
+    """The figures the model's error is measured on: neither fitted nor outside their spec's conditions."""
+    return [f for f in figs if not f.fitted and not f.outside]
+
+
+def _errors(figs: list[Figure]) -> dict:
+    worst = max(figs, key=lambda f: abs(f.error_pct))
     return {
-        "figures": len(judged),
-        "fitted": len(figs) - len(judged),
-        "mean_abs_error_pct": round(statistics.fmean(errs), 1),
+        "figures": len(figs),
+        "mean_abs_error_pct": round(statistics.fmean(abs(f.error_pct) for f in figs), 1),
         "worst_pct": round(worst.error_pct, 1),
         "worst_figure": worst.id,
+    }
+
+
+def summary(figs: list[Figure]) -> dict:
+    """The error over the judged figures, overall and per GPU system; for the figures outside
+    their spec's conditions, what they measured against the prediction, per GPU system."""
+    ok = judged(figs)
+    gpus = sorted({f.gpu for f in ok})
+    outside: dict[str, dict] = {}
+    for f in (f for f in figs if f.outside):
+        o = outside.setdefault(f.gpu, {"figures": 0, "ratios": [], "why": f.outside})
+        o["figures"] += 1
+        o["ratios"].append(f.measured / f.predicted)
+    return {
+        **_errors(ok),
+        "fitted": sum(f.fitted for f in figs),
+        "gpus": {g: _errors([f for f in ok if f.gpu == g]) for g in gpus},
+        "outside": {
+            g: {
+                "figures": o["figures"],
+                "measured_over_predicted_min": round(min(o["ratios"]), 2),
+                "measured_over_predicted_max": round(max(o["ratios"]), 2),
+                "why": o["why"],
+            }
+            for g, o in outside.items()
+        },
     }
 
 
@@ -131,6 +163,7 @@ def layout(cfg) -> str:
 
 
 def csv_rows(figs: list[Figure]) -> list[dict]:
+    """The figures the model is judged against (and the fitted ones, marked): the CSV's rows."""
     return [
         {
             "source": f.id,
@@ -144,6 +177,7 @@ def csv_rows(figs: list[Figure]) -> list[dict]:
             "fitted": "yes" if f.fitted else "no",
         }
         for f in figs
+        if not f.outside
     ]
 
 
@@ -183,13 +217,13 @@ def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = write_csv(out_dir / "perf_validation.csv", rows, CSV_COLUMNS), out_dir / "perf_validation.md"
     s = summary(figs)
-    atomic_write(md_path, _markdown(rows, s, effects(figs)))
+    atomic_write(md_path, _markdown(rows, s, effects(figs), [f for f in figs if f.outside]))
     if out_dir.resolve() == results_root().resolve():
         accuracy.write(s)
     return csv_path, md_path
 
 
-def _markdown(rows: list[dict], s: dict, effs: list[dict]) -> str:
+def _markdown(rows: list[dict], s: dict, effs: list[dict], outside: list[Figure]) -> str:
     t = tomllib.loads((resources.files("recipes") / "templates" / "perf_validation.toml").read_text(encoding="utf-8"))
     met = s["mean_abs_error_pct"] <= MAE_GOAL_PCT and abs(s["worst_pct"]) <= WORST_GOAL_PCT
     lines = [t["title"], "", t["intro"].format(calibration=", ".join(calibrate.describe())), ""]
@@ -203,8 +237,25 @@ def _markdown(rows: list[dict], s: dict, effs: list[dict]) -> str:
         ),
         "",
     ]
+    gtab = [[g, e["figures"], e["mean_abs_error_pct"], f"{e['worst_pct']:+.1f}"] for g, e in s["gpus"].items()]
+    lines += [tabulate(gtab, headers=t["gpus_headers"], tablefmt="github"), ""]
     table = [[r[c] for c in CSV_COLUMNS] for r in rows]
     lines.append(tabulate(table, headers=list(CSV_COLUMNS), tablefmt="github"))
+    if outside:
+        lines += ["", t["outside_title"], "", t["outside_intro"], ""]
+        otab = [
+            [
+                f.id,
+                f.gpu,
+                layout(f.cfg),
+                f.measured,
+                round(f.predicted, 1),
+                round(f.measured / f.predicted, 2),
+                f.outside,
+            ]
+            for f in outside
+        ]
+        lines.append(tabulate(otab, headers=t["outside_headers"], tablefmt="github"))
     lines += ["", t["effects_title"], "", t["effects_intro"], ""]
     etab = [
         [

@@ -309,7 +309,7 @@ def plan(
     click.echo(
         f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
         f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
-        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime), error band {band_text()}; "
+        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime), error band {band_text(gpu=spec.name)}; "
         "ranked by speed among those that fit:"
     )
     click.echo(ranked_table(ranked[:top]))

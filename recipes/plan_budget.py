@@ -215,12 +215,14 @@ def _why_not(s: Search, memory_bound: int, bound_nodes: int) -> str:
     )
 
 
-def _band() -> tuple[str, float | None]:
-    """The model's error band as text, and the days' range it implies (None before a validation)."""
+def _band(gpu: str) -> tuple[str, float | None]:
+    """The model's error band on this GPU system as text, and the days' range it implies: the
+    system's own mean error, else the overall one (None before a validation)."""
     from core.dryrun import accuracy
 
     b = accuracy.band()
-    return accuracy.text(), (b["mean_abs_error_pct"] / 100 if b else None)
+    own = accuracy.gpu_error(gpu)
+    return accuracy.text(gpu=gpu), (own if own is not None else b["mean_abs_error_pct"] / 100 if b else None)
 
 
 def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
@@ -234,7 +236,7 @@ def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
         "finishes": a.found is not None,
         "why_not": a.why_not or None,
         "searched": [{"gpus": r.gpus, "fits": r.best is not None, "days": r.days} for r in a.tried],
-        "error_band": _band()[0],
+        "error_band": _band(setup.spec.name)[0],
         "search_s": round(took_s, 2),
     }
     if a.found is not None and a.found.best is not None and a.found.days is not None:
@@ -270,7 +272,7 @@ def budget_command(
     if as_json:
         click.echo(json.dumps(answer_json(setup, a, took), indent=2))
         sys.exit(0 if a.found else 1)
-    band, frac = _band()
+    band, frac = _band(setup.spec.name)
     click.echo(
         f"Llama 3.1 {setup.model}, {tokens:.4g} tokens in at most {days:g} days on {setup.spec.name} "
         f"({setup.gpus_per_node} per node, {setup.gpu_mem:g} GiB), seq {setup.seq}; searched in {took:.1f} s:"

@@ -204,8 +204,9 @@ def test_validation_marks_fitted_figures_and_leaves_them_out():
         if f.id in calibrate.fitted_figures():
             assert abs(f.error_pct) < 0.5, f.id
     s = V.summary(figs)
-    assert s["figures"] == len(figs) - len(fitted) >= 40
-    judged = [abs(f.error_pct) for f in figs if not f.fitted]
+    outside = [f for f in figs if f.outside]
+    assert s["figures"] == len(figs) - len(fitted) - len(outside) >= 40
+    judged = [abs(f.error_pct) for f in figs if not f.fitted and not f.outside]
     assert s["mean_abs_error_pct"] == pytest.approx(sum(judged) / len(judged), abs=0.05)
     rows = V.csv_rows(figs)
     assert all(tuple(r) == V.CSV_COLUMNS for r in rows)
@@ -239,7 +240,35 @@ def test_predictions_print_the_error_band(tmp_path):
     from core.dryrun.record import predicted_record
     from recipes.cli import main
 
-    band = accuracy.text()
+    band = accuracy.text(gpu=G.DEFAULT_GPU)
     assert predicted_record(cfg_with(T1_COMP))["error_band"] == band
+    assert f"on {G.DEFAULT_GPU}: ±" in band
     res = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "8"], catch_exceptions=False)
     assert res.exit_code == 0 and band in res.output
+
+
+def test_each_gpu_system_prints_its_own_error_or_says_none_validates_it():
+    """The band names the GPU system's own error over the figures that ran on it; a system no
+    judged figure ran on says so, with what the figures outside its spec measured, and those
+    figures are shown but never judged (not in the CSV, not in the error)."""
+    from core.dryrun import accuracy
+    from core.dryrun.record import predicted_record
+
+    V, figs = _validated()
+    s = V.summary(figs)
+    ok = V.judged(figs)
+    assert sum(g["figures"] for g in s["gpus"].values()) == s["figures"] == len(ok)
+    for gpu, g in s["gpus"].items():
+        mine = [abs(f.error_pct) for f in ok if f.gpu == gpu]
+        assert g["mean_abs_error_pct"] == pytest.approx(sum(mine) / len(mine), abs=0.05)
+        assert f"on {gpu}: ±{g['mean_abs_error_pct']:.1f}% over {g['figures']}," in accuracy.text(s, gpu)
+    outside = [f for f in figs if f.outside]
+    assert outside and not {f.gpu for f in outside} & set(s["gpus"])
+    assert not {f.id for f in outside} & {r["source"] for r in V.csv_rows(figs)}
+    b200 = accuracy.text(s, "b200")
+    assert "no judged public figure ran on b200" in b200
+    o = s["outside"]["b200"]
+    ratios = [f.measured / f.predicted for f in outside if f.gpu == "b200"]
+    assert o["measured_over_predicted_min"] == pytest.approx(min(ratios), abs=0.005)
+    assert f"{o['measured_over_predicted_min']:.2f}-{o['measured_over_predicted_max']:.2f}x" in b200
+    assert predicted_record(cfg_with(T1_COMP), gpu="b200")["error_band"] == accuracy.text(gpu="b200")
