@@ -149,6 +149,56 @@ def test_asynctp_leaves_rowwise_gathers_and_backward_reduce_scatters_to_nccl():
     assert {c.elem_bytes for c in block_collectives(s, "tensorwise")["fwd"] if c.kind == "ag"} == {1}
 
 
+def test_sequence_parallel_reorders_as_torch_does():
+    """The copies the model prices around sequence-parallel collectives are the ones torch makes:
+    an all-gather's result is reordered in place (a view) only when the batch is 1, a
+    reduce-scatter's input is always concatenated anew (torch/_utils.py)."""
+    import torch
+    from torch._utils import _chunk_or_narrow_cat, _maybe_view_chunk_cat
+
+    from core.dryrun.asynctp import Collective, nccl_copies
+
+    tp, seq, dim = 4, 16, 8
+    for batch in (1, 2):
+        gathered = torch.randn(tp * batch, seq // tp, dim)  # NCCL's all-gather output, dim 0 first
+        out = _maybe_view_chunk_cat(gathered, tp, 1)
+        assert out.shape == (batch, seq, dim)
+        copied = out.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr()
+        assert copied == nccl_copies(Collective("ag", 1.0, 2, ()), batch > 1) == (batch > 1)
+        unreduced = torch.randn(batch, seq, dim)
+        staged = _chunk_or_narrow_cat(unreduced, tp, narrow_dim=1, cat_dim=0)
+        assert staged.untyped_storage().data_ptr() != unreduced.untyped_storage().data_ptr()
+        assert nccl_copies(Collective("rs", 1.0, 2, (("wo", 1, 1, "bf16"),)), batch > 1)
+    assert not nccl_copies(Collective("rs", 1.0, 2, ()), True)  # a sum's kernel writes the order
+
+
+def test_reordering_copies_cost_one_pass_each_and_only_where_they_happen():
+    """Vanilla TP pays one read and one write of the tensor for each copying collective; the
+    reduce-scatter of backward's summed input gradients pays none; AsyncTP's fused reduce-scatter
+    copies only its (narrower) matmul input, and only when batched."""
+    from core.dryrun.activations import shapes
+    from core.dryrun.asynctp import block_collectives, exposed, seq_dim_copy_seconds
+    from core.dryrun.comms import mesh_links
+
+    spec = G.load_spec(G.DEFAULT_GPU)
+    s = shapes(cfg_with(T2))
+    link = mesh_links(spec, {"pp": 1, "dp_replicate": 1, "dp_shard": 32, "cp": 1, "tp": 8}, ("dp_shard",))["tp"]
+    col = block_collectives(s, "bf16")
+    for part in ("fwd", "bwd"):
+        for c in col[part]:
+            _, flat = exposed(spec, link, [c], s.tokens, s.tp, False, False)
+            _, batched = exposed(spec, link, [c], s.tokens, s.tp, False, True)
+            expected = seq_dim_copy_seconds(spec, c.nbytes)
+            if c.kind == "ag":
+                assert (flat, batched) == (0.0, pytest.approx(expected)), (part, c.kind)
+            else:
+                assert flat == batched == (pytest.approx(expected) if c.matmuls else 0.0), (part, c.kind)
+    rs = next(c for c in col["fwd"] if c.kind == "rs")
+    fused_flat = exposed(spec, link, [rs], s.tokens, s.tp, True, False)[1]
+    fused_batched = exposed(spec, link, [rs], s.tokens, s.tp, True, True)[1]
+    assert 0 < fused_batched - fused_flat < seq_dim_copy_seconds(spec, rs.nbytes)
+
+
 # ------------------------------------------------------------------------------------- specs
 def _spec_toml(name: str) -> dict:
     from importlib import resources

@@ -25,6 +25,13 @@ peer copies are copy-engine transfers over NVLink (no SMs; "[Distributed w/ Torc
 Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org/t/209487), priced at the
 NVLink rate NCCL reaches, and their HBM traffic (read on one GPU, written on the other) competes
 with the matmul chunk running beside them.
+
+Sequence parallelism shards dim 1 of (batch, seq, dim) activations while NCCL gathers into and
+reduce-scatters from dim 0, so torch reorders around each collective (`seq_dim_copy_seconds`):
+NCCL's all-gathers copy when the batch is above 1, its reduce-scatters always (unless a sum's
+kernel writes the order); the fused ops move the sequence first themselves, so AsyncTP copies
+only a fused reduce-scatter's matmul input and, in backward, the gathered inputs the
+grad-weight matmuls read, both only when batched.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from core.dryrun.gemm import gemm_seconds
+from core.dryrun.gemm import IN_BYTES, gemm_seconds
 from core.dryrun.linears import block_linears, gemm_kinds
 
 
@@ -121,12 +128,16 @@ def unfused_matmuls(spec, c: Collective, tokens: float) -> float:
     return sum(gemm_seconds(spec, tokens, n, k, kind) for _, n, k, kind in c.matmuls)
 
 
-def exposed(spec, link, collectives: list[Collective], tokens: float, tp: int, async_tp: bool) -> tuple[float, float]:
+def exposed(
+    spec, link, collectives: list[Collective], tokens: float, tp: int, async_tp: bool, batched: bool = False
+) -> tuple[float, float]:
     """(communication the step sees, extra work of the fused ops) of these collectives, in
     seconds beyond their matmuls' own time. Vanilla TP: the NCCL collective in full, no extra
     work. Fused by AsyncTP: the pipelined op's time beyond the unsplit matmuls, split into what
     it costs with free links (its extra work: the chunked GEMMs, the local copy, the sum of the
-    partials) and the rest (waiting on peer copies and barriers)."""
+    partials) and the rest (waiting on peer copies and barriers), plus the copies that reorder
+    the sequence dimension (`seq_dim_copy_seconds`). `batched`: the microbatch's batch
+    dimension is above 1."""
     comm = work = 0.0
     free = dataclasses.replace(link, bandwidth=math.inf, step_latency=0.0, base_latency=0.0)
     for c in collectives:
@@ -135,6 +146,37 @@ def exposed(spec, link, collectives: list[Collective], tokens: float, tp: int, a
             alone = max(base, fused_seconds(spec, free, c, tokens, tp))
             work += alone - base
             comm += max(0.0, fused_seconds(spec, link, c, tokens, tp) - alone)
+            if batched and c.kind == "rs":  # the matmul's input, sequence moved first and flattened
+                (_, _, k, kind) = c.matmuls[0]
+                work += seq_dim_copy_seconds(spec, tokens * k * IN_BYTES[kind])
         else:
             comm += link.ring(c.nbytes)
+            if nccl_copies(c, batched):
+                work += seq_dim_copy_seconds(spec, c.nbytes)
     return comm, work
+
+
+def nccl_copies(c: Collective, batched: bool) -> bool:
+    """Whether NCCL's collective over the sequence dimension copies its whole tensor: an
+    all-gather when the batch is above 1 (a view otherwise), a reduce-scatter always, unless its
+    input is a sum of matmuls (backward's input gradients), whose kernel writes the order the
+    collective needs."""
+    return batched if c.kind == "ag" else bool(c.matmuls)
+
+
+def fused_gather_copies(spec, link, col: dict[str, list[Collective]], async_tp: bool, batched: bool) -> float:
+    """Seconds of the copies backward makes of what AsyncTP's fused all-gathers return: the
+    gathered input comes back in the sharded layout, sequence first (`unflatten` in
+    `_fused_all_gather_matmul_impl`), and each grad-weight matmul needs it row-major again."""
+    if not (async_tp and batched) or link.nodes_spanned:
+        return 0.0
+    return sum(seq_dim_copy_seconds(spec, c.nbytes) for c in col["fwd"] + col["bwd"] if c.kind == "ag" and c.matmuls)
+
+
+def seq_dim_copy_seconds(spec, nbytes: float) -> float:
+    """One read and one write of a tensor: NCCL gathers into and reduce-scatters from dim 0,
+    while sequence parallelism shards dim 1 of (batch, seq, dim) activations, so torch reorders
+    the whole tensor around the collective (torch/_utils.py `_maybe_view_chunk_cat` after an
+    all-gather: a view only when the batch is 1; `_chunk_or_narrow_cat` before a reduce-scatter,
+    torch/distributed/_functional_collectives.py `reduce_scatter_single`: always a `torch.cat`)."""
+    return 2 * nbytes / (spec.hbm_bandwidth * spec.hbm) + spec.kernel_overhead_s

@@ -16,7 +16,8 @@ own order (`core.parallel.schedule_sim.pipeline_order`). Each event gets:
 - communication (core/dryrun/comms.py for the links): FSDP all-gather / reduce-scatter per block
   on a stream of its own with one block of prefetch, HSDP all-reduce, TP/SP all-gather /
   reduce-scatter around the block's matmuls (AsyncTP: what torch's micro-pipeline pass fuses
-  and what its pipelined ops leave exposed, core/dryrun/asynctp.py), loss
+  and what its pipelined ops leave exposed, with the copies that reorder the sequence
+  dimension around them, core/dryrun/asynctp.py), loss
   parallel's all-reduces, CP's ring attention as torch runs it (core/dryrun/ring.py: the k/v
   and dk/dv exchanges behind its steps, its eager fp32 merge and accumulation), PP send/recv,
   the grad-norm all-reduce; what cannot hide is exposed;
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
-from core.dryrun.asynctp import block_collectives, exposed
+from core.dryrun.asynctp import block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
@@ -109,6 +110,20 @@ class _Rates:
         self.hbm = spec.hbm_bandwidth * spec.hbm
 
 
+def _batched(cfg) -> bool:
+    """The microbatch has a batch dimension above 1: sequence parallelism's all-gathers then
+    reorder what they gather (core/dryrun/asynctp.py `seq_dim_copy_seconds`)."""
+    return cfg.training.local_batch_size // microbatches(cfg) > 1
+
+
+def _sp_copy(cfg, s: Shapes, spec: GPUSpec, kind: str) -> float:
+    """Seconds of the copy an NCCL sequence-parallel collective (`ag` or `rs`) of a (T x dim)
+    bf16 activation outside the blocks makes: an all-gather's when batched, a reduce-scatter's
+    always (none of them reduces a sum of matmuls; core/dryrun/asynctp.py `nccl_copies`)."""
+    copies = s.tp > 1 and (kind == "rs" or _batched(cfg))
+    return seq_dim_copy_seconds(spec, s.tokens * s.d * 2) if copies else 0.0
+
+
 def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tuple) -> dict:
     """(exposed TP seconds, AsyncTP's extra work) of one block's forward, backward and
     selective-op recompute (core/dryrun/asynctp.py: NCCL in full, or what AsyncTP leaves). The
@@ -124,7 +139,11 @@ def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tu
         if c.kind == "ag"
     ]
     parts = {"fwd": col["fwd"], "bwd": col["bwd"], "rec": gathers}
-    return {k: exposed(spec, link, v, s.tokens, s.tp, on) for k, v in parts.items()}
+    batched = _batched(cfg)
+    out = {k: exposed(spec, link, v, s.tokens, s.tp, on, batched) for k, v in parts.items()}
+    comm, work = out["bwd"]
+    out["bwd"] = (comm, work + fused_gather_copies(spec, link, col, on, batched))
+    return out
 
 
 def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
@@ -194,8 +213,8 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
         if cfg.parallelism.loss_parallel:
             tp += 2 * links["tp"].ring(4 * T * s.tp)
     return {
-        "fwd": {"compute": mm_f, "memory_bound": ce + norm, "tp": tp},
-        "bwd": {"compute": mm_b, "memory_bound": ce + 2 * norm, "tp": tp},
+        "fwd": {"compute": mm_f, "memory_bound": ce + norm + _sp_copy(cfg, s, spec, "ag"), "tp": tp},
+        "bwd": {"compute": mm_b, "memory_bound": ce + 2 * norm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
     }
 
 
@@ -267,8 +286,11 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
     T = s.tokens
     tp = links["tp"].ring(T * s.d * 2) if s.tp > 1 else 0.0
     return {
-        "fwd": {"memory_bound": 4 * T * s.d / r.hbm, "tp": tp},
-        "bwd": {"memory_bound": (8 * T * s.d + 4 * vocab // s.tp * s.d) / r.hbm, "tp": tp},
+        "fwd": {"memory_bound": 4 * T * s.d / r.hbm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
+        "bwd": {
+            "memory_bound": (8 * T * s.d + 4 * vocab // s.tp * s.d) / r.hbm + _sp_copy(cfg, s, spec, "ag"),
+            "tp": tp,
+        },
     }
 
 
