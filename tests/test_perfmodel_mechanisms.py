@@ -186,17 +186,18 @@ def test_reordering_copies_cost_one_pass_each_and_only_where_they_happen():
     col = block_collectives(s, "bf16")
     for part in ("fwd", "bwd"):
         for c in col[part]:
-            _, flat = exposed(spec, link, [c], s.tokens, s.tp, False, False)
-            _, batched = exposed(spec, link, [c], s.tokens, s.tp, False, True)
+            flat = exposed(spec, link, [c], s.tokens, s.tp, False, False).copies
+            batched = exposed(spec, link, [c], s.tokens, s.tp, False, True).copies
             expected = seq_dim_copy_seconds(spec, c.nbytes)
             if c.kind == "ag":
                 assert (flat, batched) == (0.0, pytest.approx(expected)), (part, c.kind)
             else:
                 assert flat == batched == (pytest.approx(expected) if c.matmuls else 0.0), (part, c.kind)
     rs = next(c for c in col["fwd"] if c.kind == "rs")
-    fused_flat = exposed(spec, link, [rs], s.tokens, s.tp, True, False)[1]
-    fused_batched = exposed(spec, link, [rs], s.tokens, s.tp, True, True)[1]
-    assert 0 < fused_batched - fused_flat < seq_dim_copy_seconds(spec, rs.nbytes)
+    fused_flat = exposed(spec, link, [rs], s.tokens, s.tp, True, False)
+    fused_batched = exposed(spec, link, [rs], s.tokens, s.tp, True, True)
+    assert fused_flat.copies == 0 and 0 < fused_batched.copies < seq_dim_copy_seconds(spec, rs.nbytes)
+    assert fused_batched._replace(copies=0.0) == fused_flat  # the copy adds to nothing else
 
 
 # ------------------------------------------------------------------------------------- specs

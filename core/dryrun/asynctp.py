@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from core.dryrun.gemm import IN_BYTES, gemm_seconds
 from core.dryrun.linears import block_linears, gemm_kinds
@@ -128,17 +129,24 @@ def unfused_matmuls(spec, c: Collective, tokens: float) -> float:
     return sum(gemm_seconds(spec, tokens, n, k, kind) for _, n, k, kind in c.matmuls)
 
 
+class TPCost(NamedTuple):
+    """Seconds a block's TP collectives add beyond their matmuls' own time."""
+
+    comm: float  # communication the step sees
+    work: float  # extra compute of AsyncTP's fused ops
+    copies: float  # memory-bound copies that reorder the sequence dimension
+
+
 def exposed(
     spec, link, collectives: list[Collective], tokens: float, tp: int, async_tp: bool, batched: bool = False
-) -> tuple[float, float]:
-    """(communication the step sees, extra work of the fused ops) of these collectives, in
-    seconds beyond their matmuls' own time. Vanilla TP: the NCCL collective in full, no extra
-    work. Fused by AsyncTP: the pipelined op's time beyond the unsplit matmuls, split into what
-    it costs with free links (its extra work: the chunked GEMMs, the local copy, the sum of the
-    partials) and the rest (waiting on peer copies and barriers), plus the copies that reorder
-    the sequence dimension (`seq_dim_copy_seconds`). `batched`: the microbatch's batch
-    dimension is above 1."""
-    comm = work = 0.0
+) -> TPCost:
+    """What these collectives add to the step beyond their matmuls' own time. Vanilla TP: the
+    NCCL collective in full, no extra work. Fused by AsyncTP: the pipelined op's time beyond the
+    unsplit matmuls, split into what it costs with free links (its extra work: the chunked
+    GEMMs, the local copy, the sum of the partials) and the rest (waiting on peer copies and
+    barriers). Both: the copies that reorder the sequence dimension (`seq_dim_copy_seconds`).
+    `batched`: the microbatch's batch dimension is above 1."""
+    comm = work = copies = 0.0
     free = dataclasses.replace(link, bandwidth=math.inf, step_latency=0.0, base_latency=0.0)
     for c in collectives:
         if async_tp and c.matmuls and not link.nodes_spanned:
@@ -148,12 +156,12 @@ def exposed(
             comm += max(0.0, fused_seconds(spec, link, c, tokens, tp) - alone)
             if batched and c.kind == "rs":  # the matmul's input, sequence moved first and flattened
                 (_, _, k, kind) = c.matmuls[0]
-                work += seq_dim_copy_seconds(spec, tokens * k * IN_BYTES[kind])
+                copies += seq_dim_copy_seconds(spec, tokens * k * IN_BYTES[kind])
         else:
             comm += link.ring(c.nbytes)
             if nccl_copies(c, batched):
-                work += seq_dim_copy_seconds(spec, c.nbytes)
-    return comm, work
+                copies += seq_dim_copy_seconds(spec, c.nbytes)
+    return TPCost(comm, work, copies)
 
 
 def nccl_copies(c: Collective, batched: bool) -> bool:

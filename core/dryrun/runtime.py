@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
-from core.dryrun.asynctp import block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
+from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
@@ -125,12 +125,12 @@ def _sp_copy(cfg, s: Shapes, spec: GPUSpec, kind: str) -> float:
 
 
 def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tuple) -> dict:
-    """(exposed TP seconds, AsyncTP's extra work) of one block's forward, backward and
+    """The TP collectives' cost (core/dryrun/asynctp.py `TPCost`) in one block's forward, backward and
     selective-op recompute (core/dryrun/asynctp.py: NCCL in full, or what AsyncTP leaves). The
     recompute runs the two forward all-gathers again (the saved reduce-scatter outputs spare
     those), fused with the matmuls it recomputes."""
     if s.tp <= 1:
-        return {"fwd": (0.0, 0.0), "bwd": (0.0, 0.0), "rec": (0.0, 0.0)}
+        return {k: TPCost(0.0, 0.0, 0.0) for k in ("fwd", "bwd", "rec")}
     on = cfg.parallelism.enable_async_tp
     col = block_collectives(s, recipe)
     gathers = [
@@ -141,8 +141,7 @@ def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tu
     parts = {"fwd": col["fwd"], "bwd": col["bwd"], "rec": gathers}
     batched = _batched(cfg)
     out = {k: exposed(spec, link, v, s.tokens, s.tp, on, batched) for k, v in parts.items()}
-    comm, work = out["bwd"]
-    out["bwd"] = (comm, work + fused_gather_copies(spec, link, col, on, batched))
+    out["bwd"] = out["bwd"]._replace(copies=out["bwd"].copies + fused_gather_copies(spec, link, col, on, batched))
     return out
 
 
@@ -178,13 +177,14 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
     every_other = ac.mode == "selective" and ac.selective_ac_option == "op" and ac.save_every_other_mm
     recomputed = ("wk", "wo", "w3") if every_other else ()
     tp = _tp_seconds(cfg, s, spec, links["tp"], lin["recipe"], recomputed)
-    fwd = {"compute": lin["fwd_mm"] + attn_f + tp["fwd"][1], "memory_bound": pw_f, "tp": tp["fwd"][0], "cp": cp_f}
-    bwd = {"compute": lin["bwd_mm"] + attn_b + tp["bwd"][1], "memory_bound": pw_b, "tp": tp["bwd"][0], "cp": cp_b}
+    f, b, r = tp["fwd"], tp["bwd"], tp["rec"]
+    fwd = {"compute": lin["fwd_mm"] + attn_f + f.work, "memory_bound": pw_f + f.copies, "tp": f.comm, "cp": cp_f}
+    bwd = {"compute": lin["bwd_mm"] + attn_b + b.work, "memory_bound": pw_b + b.copies, "tp": b.comm, "cp": cp_b}
     if ac.mode == "full":
         rec = {"compute": fwd["compute"] + fwd["memory_bound"], "tp": fwd["tp"], "cp": fwd["cp"]}
     elif ac.mode == "selective" and ac.selective_ac_option == "op":
         mm_re = sum(lin["per_linear"][name][0] for name in recomputed)
-        rec = {"compute": mm_re + pw_f + tp["rec"][1], "tp": tp["rec"][0], "cp": 0.0}
+        rec = {"compute": mm_re + pw_f + r.work + r.copies, "tp": r.comm, "cp": 0.0}
     elif ac.mode == "selective":
         k = int(ac.selective_ac_option)
         rec = {"compute": (fwd["compute"] + fwd["memory_bound"]) / k, "tp": fwd["tp"] / k, "cp": fwd["cp"] / k}
