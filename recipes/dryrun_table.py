@@ -19,6 +19,7 @@ from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 from core.dryrun.record import predicted_record
 from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, registry
+from recipes.options import out_dir_option
 from recipes.schema import TABLES
 from recipes.table_data import comparisons
 
@@ -348,13 +349,7 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
     default=None,
     help="Records folder (default: results/records); dry-run records are in its dry-run/.",
 )
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where dry_run.csv/.md go (default: results/).",
-)
+@out_dir_option("Where dry_run.csv/.md go (default: results/).")
 @click.option("--all", "run_all", is_flag=True, help="Run every row's dry-run first (minutes).")
 @click.option("--no-fake", is_flag=True, help="With --all: accounting only.")
 @click.option(

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from core.dryrun.gpuspec import GEMM_KINDS
+from recipes.options import out_file_option
 
 EXIT_CANNOT = 3
 
@@ -56,12 +57,7 @@ def measure_spec(
 
 @click.command("gpu-spec")
 @click.option("--measure", is_flag=True, required=True, help="Run the microbenchmarks on the device present.")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Spec file to write (default: runs/gpu_spec/<name>.toml).",
-)
+@out_file_option("Spec file to write (default: runs/gpu_spec/<name>.toml).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option(
     "--gemm",

@@ -31,6 +31,7 @@ from core.config import load_config
 from core.train import Trainer
 from core.validate import validate
 from recipes import launcher
+from recipes.options import out_file_option
 from recipes.results import write_csv
 from recipes.studies.common import one_rank_group, synthetic_job
 
@@ -132,9 +133,7 @@ def benchmark_rows(quick: bool = False) -> list[dict]:
 
 
 @click.command("checkpoint-bench")
-@click.option(
-    "--out", type=click.Path(dir_okay=False), default=None, help="The CSV (default: results/checkpoint_overhead.csv)."
-)
+@out_file_option("The CSV (default: results/checkpoint_overhead.csv).")
 @click.option("--flavor", default="debug", show_default=True)
 @click.option("--steps", type=int, default=26, show_default=True)
 @click.option("--interval", type=int, default=5, show_default=True)

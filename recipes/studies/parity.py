@@ -37,6 +37,7 @@ from core.config import load_config
 from core.reference import reference_run
 from core.validate import validate
 from recipes import launcher, modes
+from recipes.options import out_dir_option
 from recipes.studies.parity_layouts import BASE, TOLERANCE, Layout, select
 from recipes.studies.parity_tables import HEADERS, write_results
 
@@ -146,9 +147,7 @@ def compare(layout: Layout, dtype: str, record: dict, wall: float) -> dict:
 @click.option("--layouts", default="", help="Comma-separated layout names (default: all). See --list.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--list", "list_only", is_flag=True, help="List the layouts and exit.")
-@click.option(
-    "--out", type=click.Path(file_okay=False), default=None, help="Run directories (default: runs/parity/<dtype>)."
-)
+@out_dir_option("Run directories (default: runs/parity/<dtype>).", name="out")
 @click.option(
     "--results-dir",
     type=click.Path(file_okay=False),

@@ -34,6 +34,7 @@ import click
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes
+from recipes.options import out_dir_option
 from recipes.studies.parity_layouts import base_job
 from recipes.studies.preflight_one import one_device_options
 
@@ -383,12 +384,7 @@ def _cp_float8_verdicts(pf: Preflight, rec: dict, async_problem: str | None) -> 
 
 
 @click.command("preflight")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Folder of the runs (default runs/preflight/<timestamp>).",
-)
+@out_dir_option("Folder of the runs (default runs/preflight/<timestamp>).", name="out")
 @one_device_options
 def preflight(
     out: str | None, gpus: int | None, device: str, rounds: int, steps: int, threads: int, quick: bool
