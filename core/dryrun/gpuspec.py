@@ -262,10 +262,11 @@ def _toml_lines(key: str, v: object, notes: dict[str, str], where: str) -> list[
     return ([f"# {line}" for line in note.splitlines()] if note else []) + [f"{key} = {_toml_value(v)}"]
 
 
-def spec_toml(doc: dict, notes: dict[str, str] | None = None, header: str = "") -> str:
+def spec_toml(doc: dict, notes: dict[str, str] | None = None, header: str = "") -> tuple[str, GPUSpec]:
     """A spec document (the parsed form: top-level strings, the tables of FIELDS and [measured],
-    [gemm] lists of points) as TOML; `notes` {"section.field": text} become comments above the
-    numbers (their sources), `header` the file's opening comment."""
+    [gemm] lists of points) as TOML, and the spec that text loads as (the same validation as a
+    shipped spec); `notes` {"section.field": text} become comments above the numbers (their
+    sources), `header` the file's opening comment."""
     notes = notes or {}
     out = [f"# {line}" for line in header.splitlines()]
     tables = {k: v for k, v in doc.items() if isinstance(v, dict)}
@@ -282,5 +283,4 @@ def spec_toml(doc: dict, notes: dict[str, str] | None = None, header: str = "") 
         for point in points:
             out += ["", f"[[gemm.{kind}]]"] + [f"{k} = {_toml_value(v)}" for k, v in point.items()]
     text = "\n".join(out) + "\n"
-    parse_spec(tomllib.loads(text), doc.get("name", "spec"))  # what is written loads as it is read
-    return text
+    return text, _parse_text(text, doc.get("name", "spec"))  # what is written loads as it is read

@@ -181,8 +181,6 @@ def _gemm_tables(m: Measurements, peaks: tuple[float, float], date: str) -> dict
 
 def spec_document(m: Measurements, name: str, base: str | None) -> tuple[str, GPUSpec]:
     """The spec file's text and the spec it loads as (the same validation as a shipped one)."""
-    from core.dryrun.gpuspec import parse_spec
-
     base_spec = load_spec(base) if base else None
     date = datetime.date.today().isoformat()
     when = f"{date} on {m.device.name}"
@@ -220,7 +218,4 @@ def spec_document(m: Measurements, name: str, base: str | None) -> tuple[str, GP
         f"Device: {m.device.name}; torch {m.device.torch_version}; {m.device.driver}."
         + (f"\nNot measured: {skipped}" if skipped else "")
     )
-    text = spec_toml(data, doc.notes, header)
-    import tomllib
-
-    return text, parse_spec(tomllib.loads(text), name)
+    return spec_toml(data, doc.notes, header)

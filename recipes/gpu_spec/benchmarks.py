@@ -37,6 +37,7 @@ class Probe:
     label: str
     call: Callable[[], object]
     work: float  # FLOPs or bytes of one call
+    shape: tuple[int, ...] = ()  # the size probed: (m, n, k) of a GEMM, (seq,) of attention
     inner: int = 1  # calls per sample (set by the warm-up)
     seconds: float = 0.0  # one call's typical time (set by run_probes)
 
@@ -89,7 +90,7 @@ def gemm_probe(dev: Device, m: int, n: int, k: int, kind: str) -> Probe:
     else:
         a, b, sa, sb = scaled_mm_inputs(dev, m, n, k, kind)
         call = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)  # noqa: E731
-    return Probe(f"gemm {kind} {m}x{n}x{k}", call, 2.0 * m * n * k)
+    return Probe(f"gemm {kind} {m}x{n}x{k}", call, 2.0 * m * n * k, (m, n, k))
 
 
 def overhead_probe(dev: Device) -> Probe:
@@ -124,8 +125,8 @@ def attention_probes(dev: Device, batch: int, heads: int, seq: int, head_dim: in
         sdpa(q, k, v).backward(grad)
 
     flops = causal_attention_flops(batch, heads, seq, head_dim)
-    return Probe(f"sdpa forward seq {seq}", forward, flops), Probe(
-        f"sdpa forward+backward seq {seq}", forward_backward, flops
+    return Probe(f"sdpa forward seq {seq}", forward, flops, (seq,)), Probe(
+        f"sdpa forward+backward seq {seq}", forward_backward, flops, (seq,)
     )
 
 

@@ -113,12 +113,11 @@ def _record(m: Measurements, groups: dict[str, list], progress: Callable[[str], 
 
     for kind in m.gemm:
         for p in groups[f"gemm {kind}"]:
-            mnk = p.label.split()[-1]
-            m.gemm[kind].append((*map(int, mnk.split("x")), p.rate))
+            m.gemm[kind].append((*p.shape, p.rate))
             progress(f"{p.label}: {rate(p.rate)}")
     sdpa = groups["sdpa"]
     for fwd, both in zip(sdpa[::2], sdpa[1::2], strict=True):
-        seq = int(fwd.label.split()[-1])
+        seq = fwd.shape[0]
         m.attention.append((seq, fwd.rate, B.backward_rate(fwd, both)))
         progress(f"sdpa seq {seq}: forward {rate(fwd.rate)}, backward {rate(m.attention[-1][2])}")
     m.copy_bps = groups["copy"][0].rate
