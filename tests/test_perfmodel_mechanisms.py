@@ -219,6 +219,11 @@ def _spec_toml(name: str) -> dict:
         (lambda d: d["gemm"].update(fp4=[]), "gemm.fp4"),
         (lambda d: d["compute"].pop("kernel_overhead_s"), "compute.kernel_overhead_s"),
         (lambda d: d.pop("gemm"), r"\[gemm\]"),
+        (lambda d: d["float8_linear"]["rowwise"]["speedup"].pop(), r"float8_linear.rowwise.speedup"),
+        (lambda d: d["float8_linear"]["rowwise"]["speedup"][0].__setitem__(0, 0), r"float8_linear.rowwise.speedup"),
+        (lambda d: d["float8_linear"]["rowwise"]["n"].reverse(), r"float8_linear.rowwise.n"),
+        (lambda d: d["float8_linear"]["rowwise"].pop("source"), r"float8_linear.rowwise.source"),
+        (lambda d: d["float8_linear"].update(blockwise={}), r"\[float8_linear\]"),
     ],
 )
 def test_bad_gemm_table_is_refused_naming_the_field(change, field):
@@ -235,6 +240,35 @@ def test_every_spec_number_opens_to_a_source():
     for name in G.known_gpus():
         for _, points in G.load_spec(name).gemm:
             assert all(len(p.source) > 40 for p in points), name
+
+
+def test_a_rowwise_linear_is_never_priced_faster_than_the_measured_grid():
+    """On every spec with a measured rowwise grid: the grid's microbenchmark, priced by the model
+    with the measured excess, runs at the grid's speedup wherever the model's own pricing was
+    faster, and never faster than the grid; between and beyond the grid's points the speedup is
+    interpolated in log2 and held at the edges."""
+    from core.dryrun.linears import Linear, _bench_seconds, measured_excess, table_speedup
+
+    specs = [G.load_spec(g) for g in G.known_gpus() if G.load_spec(g).linear_speedups("rowwise")]
+    assert {s.name for s in specs} >= {"h100_96gb_hbm2e_500w", "h100_sxm_80gb", "h200_141gb"}
+    for spec in specs:
+        grid = spec.linear_speedups("rowwise")
+        cells = itertools.product(range(len(grid.m)), range(len(grid.k)), range(len(grid.n)))
+        raised = 0
+        for i, j, c in cells:
+            m, k, n = grid.m[i], grid.k[j], grid.n[c]
+            bf16 = sum(_bench_seconds(spec, m, k, n, "bf16"))
+            own = sum(_bench_seconds(spec, m, k, n, "rowwise"))
+            fp8 = own + sum(measured_excess(spec, m, Linear("x", k, n, "x", k, n), "rowwise"))
+            assert bf16 / fp8 <= grid.speedup[i * len(grid.k) + j][c] + 1e-9
+            if bf16 / own > grid.speedup[i * len(grid.k) + j][c]:
+                raised += 1
+                assert bf16 / fp8 == pytest.approx(grid.speedup[i * len(grid.k) + j][c])
+        assert raised > len(grid.m) * len(grid.k) * len(grid.n) / 2  # torchao's grid is slower than a roofline
+        a, b = table_speedup(grid, 8192, 4096, 1024), table_speedup(grid, 8192, 4096, 2048)
+        assert min(a, b) <= table_speedup(grid, 8192, 4096, 1448) <= max(a, b)
+        assert table_speedup(grid, 131072, 4096, 128) == table_speedup(grid, 32768, 4096, 1024)
+    assert measured_excess(G.load_spec("b200"), 8192, Linear("x", 4096, 1024, "x", 4096, 1024), "rowwise") == (0, 0)
 
 
 # ------------------------------------------------------------------------------- validation

@@ -11,6 +11,10 @@ same):
   of measured points `{m, n, k, efficiency, source, measured?}`: the fraction of the dtype's
   datasheet peak a GEMM of that shape reached. A family the spec has no table for is a recipe
   the model refuses on that GPU (core/dryrun/gemm.py);
+- [float8_linear.<recipe>] (optional; `rowwise`): a measured grid of a Float8 recipe's whole-
+  linear speedup over bf16 by forward shape, `{source, m, k, n, speedup}` with one row of
+  speedups (one per n) for each (m, k), m-major. The model takes a linear's time under that
+  recipe from it wherever its own pricing is faster (core/dryrun/linears.py `measured_excess`);
 - [measured] (a measured spec only): the date, device, torch and driver of the measurement and
   the `fields` it measured; every other number came from the spec it started from.
 
@@ -49,6 +53,7 @@ FIELDS = {
 GEMM_KINDS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 GEMM_POINT_DIMS = ("m", "n", "k")
 MEASURED_KEYS = ("date", "device", "torch", "driver")  # the [measured] table's strings
+LINEAR_TABLE_RECIPES = ("rowwise",)  # recipes a [float8_linear] table may describe
 
 
 class SpecError(ValueError):
@@ -65,6 +70,18 @@ class GemmPoint:
     efficiency: float
     source: str
     measured: str = ""  # the date of a measurement (`run-recipe gpu-spec --measure`)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSpeedups:
+    """A measured grid: a Float8 recipe's linear (forward + backward) over the bf16 one, by the
+    forward's M x K -> N."""
+
+    m: tuple[int, ...]
+    k: tuple[int, ...]
+    n: tuple[int, ...]
+    speedup: tuple[tuple[float, ...], ...]  # one row per (m, k), m-major; one value per n
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +109,14 @@ class GPUSpec:
     gemm: tuple[tuple[str, tuple[GemmPoint, ...]], ...] = ()
     calibration: str = ""
     measured: str = ""  # a measured spec: "<date> on <device>, torch <version>, <driver>"
+    # (recipe, measured whole-linear speedups) for each recipe the spec has a table for
+    float8_linear: tuple[tuple[str, LinearSpeedups], ...] = ()
 
     def gemm_points(self, kind: str) -> tuple[GemmPoint, ...]:
         return dict(self.gemm).get(kind, ())
+
+    def linear_speedups(self, recipe: str) -> LinearSpeedups | None:
+        return dict(self.float8_linear).get(recipe)
 
 
 def _dir():
@@ -144,6 +166,36 @@ def _gemm_tables(data: dict, where: str) -> tuple:
     return tuple(tables)
 
 
+def _axis(v: object, key: str, where: str) -> tuple[int, ...]:
+    if not (isinstance(v, list) and v and all(_positive(x) and int(x) == x for x in v) and sorted(set(v)) == v):
+        raise SpecError(f"{where}: field {key} must be an ascending list of positive integers, got {v!r}")
+    return tuple(int(x) for x in v)
+
+
+def _linear_tables(data: dict, where: str) -> tuple:
+    """The optional [float8_linear.<recipe>] grids, checked."""
+    sec = data.get("float8_linear", {})
+    if not isinstance(sec, dict) or any(r not in LINEAR_TABLE_RECIPES for r in sec):
+        raise SpecError(f"{where}: [float8_linear] takes tables for {', '.join(LINEAR_TABLE_RECIPES)}, got {sec!r}")
+    out = []
+    for recipe, t in sec.items():
+        key = f"float8_linear.{recipe}"
+        if not isinstance(t, dict):
+            raise SpecError(f"{where}: field {key} must be a table {{source, m, k, n, speedup}}")
+        m, k, n = (_axis(t.get(d), f"{key}.{d}", where) for d in "mkn")
+        rows = t.get("speedup")
+        if not isinstance(rows, list) or len(rows) != len(m) * len(k):
+            rows = None
+        if not rows or not all(isinstance(r, list) and len(r) == len(n) and all(map(_positive, r)) for r in rows):
+            want = f"{len(m) * len(k)} rows of {len(n)} positive numbers"
+            raise SpecError(f"{where}: field {key}.speedup must hold {want}")
+        src = t.get("source")
+        if not isinstance(src, str) or not src.strip():
+            raise SpecError(f"{where}: field {key}.source must name where the numbers come from")
+        out.append((recipe, LinearSpeedups(m, k, n, tuple(tuple(map(float, r)) for r in rows), src.strip())))
+    return tuple(out)
+
+
 def parse_spec(data: dict, where: str) -> GPUSpec:
     """A GPUSpec from a parsed TOML document; SpecError naming the first bad field."""
     values: dict[str, Any] = {}  # the numeric fields, checked below
@@ -176,6 +228,7 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
         calibration=str(data.get("calibration", "")),
         gemm=gemm,
         measured=_measured(data, where, {k for k, _ in gemm}),
+        float8_linear=_linear_tables(data, where),
         **values,
     )
 

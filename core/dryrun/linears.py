@@ -14,6 +14,12 @@ float8_ops.py `addmm_float8_unwrapped`):
   in bf16; inputs and gradients scaled along one dimension only.
 An unknown recipe is refused, never priced as another.
 
+Where the spec has a measured grid of a recipe's whole-linear speedup ([float8_linear.<recipe>],
+core/dryrun/gpuspec.py), a linear is never priced faster than it: the model prices the grid's
+microbenchmark at the linear's shape both ways, and the time by which its own Float8 side beats
+the measured ratio is added to the linear's GEMMs (`measured_excess`). Torchao's H100 grid
+shows rowwise's small-N linears at half bf16's speed, which no roofline term here explains.
+
 Cast traffic per element, from torchao's float8 roofline model (torchao/testing/training/
 roofline_utils.py `get_tensor_memory_traffic_ovhd_s`): a tensor's amax pass can fuse into the op
 that produced it when the block is compiled (its `fuse_with_prev`); a weight's cannot (FSDP's
@@ -26,11 +32,13 @@ weight arrives cast, leaving its transpose.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 from core.dryrun.activations import Shapes, shapes
 from core.dryrun.gemm import gemm_seconds
-from core.dryrun.gpuspec import GPUSpec
+from core.dryrun.gpuspec import GPUSpec, LinearSpeedups
 from core.models.args import model_args
 
 RECIPES = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -52,6 +60,11 @@ ACT_CAST = {
 WEIGHT_CAST = {"tensorwise": (5, 3), "rowwise": (3, 7), "rowwise_with_gw_hp": (3, 3)}
 RESCALE_BYTES = 4  # the rescaling kernel after a slow-accumulation rowwise GEMM reads and writes bf16
 FP8_TRANSPOSE_BYTES = 2  # a gathered fp8 tensor copied to the other layout
+# The microbenchmark behind a [float8_linear] grid (torchao benchmarks/float8/float8_roofline.py):
+# LayerNorm -> Linear -> Sigmoid, forward + backward, compiled. HBM bytes per element of the
+# norm's input (and of the sigmoid's output): forward reads and writes bf16 (4), backward reads
+# the input and the gradient and writes a gradient (6).
+BENCH_POINTWISE_BYTES = 10
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ def block_linears(s: Shapes) -> tuple[Linear, ...]:
 GemmShape = tuple[float, float, float]  # (m, n, k)
 
 
-def linear_gemm_shapes(tokens: float, n: int, k: int) -> tuple[GemmShape, GemmShape, GemmShape]:
+def linear_gemm_shapes(tokens: float, n: float, k: float) -> tuple[GemmShape, GemmShape, GemmShape]:
     """(m, n, k) of a linear's forward, grad input and grad weight GEMMs for `tokens` rows."""
     return (tokens, n, k), (tokens, k, n), (n, k, tokens)
 
@@ -120,12 +133,74 @@ def gemm_kinds(lin: Linear, recipe: str) -> tuple[str, str, str]:
 
 
 def gemms(spec: GPUSpec, tokens: float, lin: Linear, recipe: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the linear's GEMMs for `tokens` rows."""
+    """(forward, backward) seconds of the linear's GEMMs for `tokens` rows, with the time a
+    measured grid adds (`measured_excess`)."""
     out, g_in, g_w = gemm_kinds(lin, recipe)
     f, gi, gw = linear_gemm_shapes(tokens, lin.n, lin.k)
-    fwd = gemm_seconds(spec, *f, out)
-    bwd = gemm_seconds(spec, *gi, g_in) + gemm_seconds(spec, *gw, g_w)
+    ex_f, ex_b = measured_excess(spec, tokens, lin, recipe)
+    fwd = gemm_seconds(spec, *f, out) + ex_f
+    bwd = gemm_seconds(spec, *gi, g_in) + gemm_seconds(spec, *gw, g_w) + ex_b
     return fwd, bwd
+
+
+def _log_interp(axis: tuple[int, ...], x: float) -> tuple[int, int, float]:
+    """Neighbouring indices and weight of x on an ascending axis, in log2, held beyond its ends."""
+    if len(axis) == 1:
+        return 0, 0, 0.0
+    x = min(max(x, axis[0]), axis[-1])
+    j = min(max(bisect.bisect_left(axis, x), 1), len(axis) - 1)
+    lo, hi = math.log2(axis[j - 1]), math.log2(axis[j])
+    return j - 1, j, (math.log2(x) - lo) / (hi - lo)
+
+
+def table_speedup(t: LinearSpeedups, m: float, k: float, n: float) -> float:
+    """The grid's speedup at (m, k, n): trilinear in log2 of each dimension, held beyond the grid."""
+    (m0, m1, wm), (k0, k1, wk), (n0, n1, wn) = (_log_interp(a, x) for a, x in ((t.m, m), (t.k, k), (t.n, n)))
+    total = 0.0
+    for i, a in ((m0, 1 - wm), (m1, wm)):
+        for j, b in ((k0, 1 - wk), (k1, wk)):
+            for c, w in ((n0, 1 - wn), (n1, wn)):
+                total += a * b * w * t.speedup[i * len(t.k) + j][c]
+    return total
+
+
+def _bench_seconds(spec: GPUSpec, m: float, k: float, n: float, recipe: str) -> tuple[float, float, float]:
+    """The grid's microbenchmark as the model prices it: (forward GEMM, backward GEMMs, the rest:
+    norm, sigmoid and, under Float8, the casts and rescales of one compiled linear on its own)."""
+    kinds = GEMMS[recipe]
+    f, gi, gw = linear_gemm_shapes(m, n, k)
+    fwd = gemm_seconds(spec, *f, kinds[0])
+    bwd = gemm_seconds(spec, *gi, kinds[1]) + gemm_seconds(spec, *gw, kinds[2])
+    nbytes = BENCH_POINTWISE_BYTES * (m * k + m * n)
+    kernels = 4  # norm and sigmoid, forward and backward
+    if recipe != "bf16":
+        nbytes += ACT_CAST[recipe][1] * (m * k + m * n) + sum(WEIGHT_CAST[recipe]) * k * n
+        rescale, extra = rescale_work(m, k, n, recipe)
+        nbytes, kernels = nbytes + rescale, kernels + extra + 3  # + a cast per operand
+    return fwd, bwd, nbytes / (spec.hbm_bandwidth * spec.hbm) + kernels * spec.kernel_overhead_s
+
+
+def measured_excess(spec: GPUSpec, tokens: float, lin: Linear, recipe: str) -> tuple[float, float]:
+    """(forward, backward) seconds the linear takes beyond its GEMMs' and casts' pricing under
+    `recipe`, from the spec's measured grid of the recipe's linear speedup (0 without one): the
+    bf16 microbenchmark's priced time over the measured speedup, less the Float8 side's priced
+    time, split as the GEMMs' time is."""
+    grid = spec.linear_speedups(recipe)
+    if grid is None or not converted(lin):
+        return 0.0, 0.0
+    measured = sum(_bench_seconds(spec, tokens, lin.k, lin.n, "bf16")) / table_speedup(grid, tokens, lin.k, lin.n)
+    fwd, bwd, rest = _bench_seconds(spec, tokens, lin.k, lin.n, recipe)
+    excess = max(0.0, measured - (fwd + bwd + rest))
+    return excess * fwd / (fwd + bwd), excess * bwd / (fwd + bwd)
+
+
+def rescale_work(tokens: float, k: float, n: float, recipe: str) -> tuple[float, int]:
+    """HBM bytes and kernels of the rescales after a linear's slow-accumulation rowwise GEMMs."""
+    if recipe == "rowwise":
+        return RESCALE_BYTES * (tokens * k + n * k), 2
+    if recipe == "rowwise_with_gw_hp":
+        return RESCALE_BYTES * tokens * k, 1
+    return 0.0, 0
 
 
 def cast_bytes(s: Shapes, recipe: str, compiled: bool, tp_fp8: bool, fp8_weights: bool, shard: int) -> tuple:
@@ -155,12 +230,8 @@ def cast_bytes(s: Shapes, recipe: str, compiled: bool, tp_fp8: bool, fp8_weights
         per = ACT_CAST[recipe][fused]
         gathered = tp_fp8 and lin.name in ("wo", "w2")
         bwd += T * lin.n * (per / s.tp + FP8_TRANSPOSE_BYTES if gathered else per)
-        if recipe == "rowwise":
-            bwd += RESCALE_BYTES * (T * lin.k + lin.n * lin.k)
-            kernels += 2
-        elif recipe == "rowwise_with_gw_hp":
-            bwd += RESCALE_BYTES * T * lin.k
-            kernels += 1
+        rescale, extra = rescale_work(T, lin.k, lin.n, recipe)
+        bwd, kernels = bwd + rescale, kernels + extra
     return fwd, bwd, kernels
 
 
