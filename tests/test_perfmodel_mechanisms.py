@@ -219,11 +219,8 @@ def _spec_toml(name: str) -> dict:
         (lambda d: d["gemm"].update(fp4=[]), "gemm.fp4"),
         (lambda d: d["compute"].pop("kernel_overhead_s"), "compute.kernel_overhead_s"),
         (lambda d: d.pop("gemm"), r"\[gemm\]"),
-        (lambda d: d["float8_linear"]["rowwise"]["speedup"].pop(), r"float8_linear.rowwise.speedup"),
-        (lambda d: d["float8_linear"]["rowwise"]["speedup"][0].__setitem__(0, 0), r"float8_linear.rowwise.speedup"),
-        (lambda d: d["float8_linear"]["rowwise"]["n"].reverse(), r"float8_linear.rowwise.n"),
-        (lambda d: d["float8_linear"]["rowwise"].pop("source"), r"float8_linear.rowwise.source"),
-        (lambda d: d["float8_linear"].update(blockwise={}), r"\[float8_linear\]"),
+        (lambda d: d["float8_linear"].update(rowwise="nonesuch"), r"float8_linear.rowwise"),
+        (lambda d: d["float8_linear"].update(blockwise="torchao_h100_rowwise"), r"\[float8_linear\]"),
     ],
 )
 def test_bad_gemm_table_is_refused_naming_the_field(change, field):
@@ -233,13 +230,36 @@ def test_bad_gemm_table_is_refused_naming_the_field(change, field):
         G.parse_spec(data, "bad.toml")
 
 
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda d: d["speedup"].pop(), "speedup"),
+        (lambda d: d["speedup"][0].__setitem__(0, 0), "speedup"),
+        (lambda d: d["n"].reverse(), "field n"),
+        (lambda d: d.pop("source"), "source"),
+    ],
+)
+def test_bad_linear_grid_is_refused_naming_the_field(change, field):
+    from importlib import resources
+
+    import tomllib
+
+    data = tomllib.loads((resources.files("core.dryrun") / "grids" / "torchao_h100_rowwise.toml").read_text())
+    assert G.parse_grid(data, "grid.toml") == G.load_grid("torchao_h100_rowwise")
+    change(data)
+    with pytest.raises(G.SpecError, match=field):
+        G.parse_grid(data, "grid.toml")
+
+
 def test_every_spec_number_opens_to_a_source():
     """No spec number is recalled: each GEMM point names its source, and nothing says 'recall'."""
-    out = subprocess.run(["grep", "-ri", "recall", str(ROOT / "core/dryrun/hardware")], capture_output=True, text=True)
-    assert out.stdout == ""
+    folders = [str(ROOT / "core/dryrun" / f) for f in ("hardware", "grids")]
+    out = subprocess.run(["grep", "-ri", "recall", *folders], capture_output=True, text=True)
+    assert out.stdout == "" and out.returncode == 1  # searched both, found nothing
     for name in G.known_gpus():
         for _, points in G.load_spec(name).gemm:
             assert all(len(p.source) > 40 for p in points), name
+    assert G.known_grids() and all(len(G.load_grid(g).source) > 40 for g in G.known_grids())
 
 
 def test_a_rowwise_linear_is_never_priced_faster_than_the_measured_grid():

@@ -11,10 +11,12 @@ same):
   of measured points `{m, n, k, efficiency, source, measured?}`: the fraction of the dtype's
   datasheet peak a GEMM of that shape reached. A family the spec has no table for is a recipe
   the model refuses on that GPU (core/dryrun/gemm.py);
-- [float8_linear.<recipe>] (optional; `rowwise`): a measured grid of a Float8 recipe's whole-
-  linear speedup over bf16 by forward shape, `{source, m, k, n, speedup}` with one row of
-  speedups (one per n) for each (m, k), m-major. The model takes a linear's time under that
-  recipe from it wherever its own pricing is faster (core/dryrun/linears.py `measured_excess`);
+- [float8_linear] (optional): `<recipe> = "<grid>"` (recipe `rowwise`) names a measured grid of
+  that Float8 recipe's whole-linear speedup over bf16 by forward shape, a file of
+  core/dryrun/grids/ (`{source, m, k, n, speedup}`, one row of speedups, one per n, for each
+  (m, k), m-major) that specs of the same kernels share. The model takes a linear's time under
+  that recipe from it wherever its own pricing is faster (core/dryrun/linears.py
+  `measured_excess`);
 - [measured] (a measured spec only): the date, device, torch and driver of the measurement and
   the `fields` it measured; every other number came from the spec it started from.
 
@@ -172,27 +174,46 @@ def _axis(v: object, key: str, where: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
+def parse_grid(t: object, where: str) -> LinearSpeedups:
+    """A measured linear-speedup grid from its parsed TOML; SpecError naming the bad field."""
+    if not isinstance(t, dict):
+        raise SpecError(f"{where}: a grid must be a table {{source, m, k, n, speedup}}")
+    m, k, n = (_axis(t.get(d), d, where) for d in "mkn")
+    rows = t.get("speedup")
+    if not isinstance(rows, list) or len(rows) != len(m) * len(k):
+        rows = None
+    if not rows or not all(isinstance(r, list) and len(r) == len(n) and all(map(_positive, r)) for r in rows):
+        raise SpecError(f"{where}: field speedup must hold {len(m) * len(k)} rows of {len(n)} positive numbers")
+    src = t.get("source")
+    if not isinstance(src, str) or not src.strip():
+        raise SpecError(f"{where}: field source must name where the numbers come from")
+    return LinearSpeedups(m, k, n, tuple(tuple(map(float, r)) for r in rows), src.strip())
+
+
+def known_grids() -> list[str]:
+    return sorted(f.name[:-5] for f in (resources.files("core.dryrun") / "grids").iterdir() if f.name.endswith(".toml"))
+
+
+@functools.cache
+def load_grid(name: str) -> LinearSpeedups:
+    """The grid core/dryrun/grids/<name>.toml, shared by the specs that name it."""
+    text = (resources.files("core.dryrun") / "grids" / f"{name}.toml").read_text(encoding="utf-8")
+    return parse_grid(tomllib.loads(text), f"grids/{name}.toml")
+
+
 def _linear_tables(data: dict, where: str) -> tuple:
-    """The optional [float8_linear.<recipe>] grids, checked."""
+    """The optional [float8_linear] table: recipe -> the name of a measured grid (core/dryrun/grids)."""
     sec = data.get("float8_linear", {})
     if not isinstance(sec, dict) or any(r not in LINEAR_TABLE_RECIPES for r in sec):
-        raise SpecError(f"{where}: [float8_linear] takes tables for {', '.join(LINEAR_TABLE_RECIPES)}, got {sec!r}")
+        raise SpecError(f"{where}: [float8_linear] takes grids for {', '.join(LINEAR_TABLE_RECIPES)}, got {sec!r}")
     out = []
-    for recipe, t in sec.items():
-        key = f"float8_linear.{recipe}"
-        if not isinstance(t, dict):
-            raise SpecError(f"{where}: field {key} must be a table {{source, m, k, n, speedup}}")
-        m, k, n = (_axis(t.get(d), f"{key}.{d}", where) for d in "mkn")
-        rows = t.get("speedup")
-        if not isinstance(rows, list) or len(rows) != len(m) * len(k):
-            rows = None
-        if not rows or not all(isinstance(r, list) and len(r) == len(n) and all(map(_positive, r)) for r in rows):
-            want = f"{len(m) * len(k)} rows of {len(n)} positive numbers"
-            raise SpecError(f"{where}: field {key}.speedup must hold {want}")
-        src = t.get("source")
-        if not isinstance(src, str) or not src.strip():
-            raise SpecError(f"{where}: field {key}.source must name where the numbers come from")
-        out.append((recipe, LinearSpeedups(m, k, n, tuple(tuple(map(float, r)) for r in rows), src.strip())))
+    for recipe, name in sec.items():
+        if name not in known_grids():
+            raise SpecError(
+                f"{where}: field float8_linear.{recipe} must name a grid of core/dryrun/grids "
+                f"({', '.join(known_grids())}), got {name!r}"
+            )
+        out.append((recipe, load_grid(name)))
     return tuple(out)
 
 
