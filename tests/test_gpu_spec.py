@@ -275,3 +275,35 @@ def test_the_verdict_is_the_median_error_of_each_bf16_layout():
     assert s["target"] == TARGET and not s["passed"] and s["misses"] == ["bf16, AC full: -30.0%"]
     assert s["layouts"]["bf16, AC none"]["error"]["measured"] == pytest.approx([-0.1, 0.6, 0.1])
     assert "+10.0% [-10.0%, +60.0%]" in comparison_table(s)
+
+
+def test_a_cuda_sample_is_many_calls_not_one_call_and_its_synchronize(monkeypatch):
+    """Sized from a cold first call, a small kernel's sample was one launch plus the synchronize
+    (133.6 us of "kernel overhead" on an H200): the batch grows until a sample lasts CUDA_SAMPLE_S,
+    so a sample's fixed cost is a small share of each call's figure."""
+    from recipes.gpu_spec import benchmarks as B
+
+    call_s, sync_s = 50e-6, 1e-3
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    dev = Device("cuda", "test", torch.__version__, "none", 1, (9, 0), 1.0)
+    monkeypatch.setattr(Device, "sync", lambda self: busy(sync_s))
+    probe = B.Probe("small kernel", lambda: busy(call_s), 1.0)
+    B.run_probes(dev, [probe], passes=3, progress=lambda _: None)
+    assert probe.inner * call_s >= B.CUDA_SAMPLE_S / 2
+    assert probe.seconds == pytest.approx(call_s, rel=0.3)  # one call and a sync would be 21x
+
+
+def test_pointwise_products_read_two_tensors():
+    """The bytes a product is credited with are read from two tensors (`x * x` reads one)."""
+    from recipes.gpu_spec.benchmarks import pointwise_probes
+
+    probes = pointwise_probes(select_device("cpu"), 1024)
+    products = [p for p in probes if p.label.split()[1:4:2] in (["bf16", "bf16"], ["fp32", "fp32"])]
+    assert len(products) == 2
+    for probe in products:  # the lambda's tensors: two distinct ones
+        assert len(probe.call.__code__.co_freevars) == 2, probe.label

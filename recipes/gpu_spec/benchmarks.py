@@ -29,7 +29,10 @@ import torch
 
 from recipes.gpu_spec.device import CannotMeasure, Device, scaled_mm_inputs
 
-CUDA_SAMPLE_S = 2e-3  # a CUDA sample repeats a call until it takes this long (kernel launches are us)
+# A CUDA sample repeats a call until it takes this long: launches are microseconds but a sample's
+# closing synchronize costs ~0.1 ms on a virtualised H200 (measured), 1% of 10 ms.
+CUDA_SAMPLE_S = 10e-3
+MAX_INNER = 1 << 16
 
 
 @dataclass
@@ -67,9 +70,9 @@ def run_probes(dev: Device, probes: list[Probe], passes: int, progress: Callable
     """A warm-up call of each probe (on CUDA it also sizes the probe's batch of calls), then
     `passes` passes over all of them; each probe's `seconds` is the `typical` of its samples."""
     for p in probes:
-        first = _sample(dev, p)
+        _sample(dev, p)  # the first call pays lazy set-up (library handles, kernel loading)
         if dev.kind == "cuda":
-            p.inner = max(1, math.ceil(CUDA_SAMPLE_S / max(first, 1e-7)))
+            _size_batch(dev, p)
     samples: list[list[float]] = [[] for _ in probes]
     for i in range(passes):
         t = time.perf_counter()
@@ -78,6 +81,17 @@ def run_probes(dev: Device, probes: list[Probe], passes: int, progress: Callable
         progress(f"  pass {i + 1}/{passes} over {len(probes)} benchmarks: {time.perf_counter() - t:.1f} s")
     for p, s in zip(probes, samples, strict=True):
         p.seconds = typical(s)
+
+
+def _size_batch(dev: Device, p: Probe) -> None:
+    """Grow a probe's calls per sample until one sample lasts CUDA_SAMPLE_S: sized from a single
+    call, a small kernel's sample would be mostly the synchronize (133 us per "launch" measured so
+    on an H200, where a launch in a stream of them costs a few)."""
+    while p.inner < MAX_INNER:
+        total = _sample(dev, p) * p.inner
+        if total >= CUDA_SAMPLE_S:
+            return
+        p.inner = min(MAX_INNER, max(2 * p.inner, math.ceil(p.inner * CUDA_SAMPLE_S / max(total, 1e-9))))
 
 
 # --------------------------------------------------------------------------------------- GEMMs
@@ -147,9 +161,10 @@ def copy_probe(dev: Device, nbytes: int) -> Probe:
 
 
 def pointwise_probes(dev: Device, elements: int) -> list[Probe]:
-    """The eager pointwise kernels of a block at its activations' size; work: bytes moved."""
-    x = torch.randn(elements, device=dev.torch_device, dtype=torch.bfloat16)
-    xf = x.float()
-    kernels = (("bf16 x bf16", lambda: x * x, 6), ("bf16 -> fp32", lambda: x.float(), 6))
-    kernels += (("fp32 x fp32", lambda: xf * xf, 12), ("fp32 -> bf16", lambda: xf.bfloat16(), 6))
+    """The eager pointwise kernels of a block at its activations' size; work: bytes moved (the
+    products read two distinct tensors: `x * x` reads one, which measured 1.5x the bytes)."""
+    x, y = (torch.randn(elements, device=dev.torch_device, dtype=torch.bfloat16) for _ in "xy")
+    xf, yf = x.float(), y.float()
+    kernels = (("bf16 x bf16", lambda: x * y, 6), ("bf16 -> fp32", lambda: x.float(), 6))
+    kernels += (("fp32 x fp32", lambda: xf * yf, 12), ("fp32 -> bf16", lambda: xf.bfloat16(), 6))
     return [Probe(f"pointwise {name} x {elements:,}", fn, b * elements) for name, fn, b in kernels]

@@ -387,7 +387,7 @@ def _cp_float8_verdicts(pf: Preflight, rec: dict, async_problem: str | None) -> 
 @out_dir_option("Folder of the runs (default runs/preflight/<timestamp>).", name="out")
 @one_device_options
 def preflight(
-    out: str | None, gpus: int | None, device: str, rounds: int, steps: int, threads: int, quick: bool
+    out: str | None, gpus: int | None, device: str, rounds: int, steps: int, threads: int, layers: int, quick: bool
 ) -> None:
     """One node, a few minutes: every feature the rows need, a verdict each, 1D parity. With
     --gpus 1: this device measured, a one-device step predicted on its spec and compared."""
@@ -401,7 +401,7 @@ def preflight(
         from recipes.studies.preflight_one import one_device
 
         folder = Path(out) if out else launcher.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S-gpus1")
-        sys.exit(one_device(folder.resolve(), rounds, steps, quick, threads, device))
+        sys.exit(one_device(folder.resolve(), rounds, steps, quick, threads, device, layers))
     # the real form needs one node of 8 GPUs (the 3D layout); anything less runs the CPU proxy form
     real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
     if torch.cuda.is_available() and not real:

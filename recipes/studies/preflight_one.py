@@ -127,6 +127,7 @@ def one_device_options(command):
         ("--rounds", 1, 2, "measure-then-run rounds"),
         ("--steps", 2, 6, "steps per run, the first one a warm-up"),
         ("--threads", 1, 1, "threads on a CPU, measured and run alike"),
+        ("--layers", 0, 0, "blocks of the GPU form's 8B-shaped model (0: the most whose estimate fits)"),
     )
     options[2:2] = [
         click.option(name, type=click.IntRange(low), default=default, show_default=True, help=f"--gpus 1: {what}.")
@@ -138,7 +139,7 @@ def one_device_options(command):
 
 
 # ------------------------------------------------------------------------------------ the forms
-def _layouts(m, capacity: float, quick: bool, echo) -> list[tuple[str, str, object]]:
+def _layouts(m, capacity: float, quick: bool, echo, layers: int = 0) -> list[tuple[str, str, object]]:
     """(precision, AC mode, config) of each run: the CPU proxy in bf16; on a GPU the one-GPU
     layout (8B's widths with the most blocks, of 32, whose estimate without AC fits the GPU;
     compiled) in bf16 and, where the GPU runs float8 matmuls, Float8 tensorwise."""
@@ -163,11 +164,14 @@ def _layouts(m, capacity: float, quick: bool, echo) -> list[tuple[str, str, obje
         est = estimate_memory(cfg(layers, "none", False), capacity)
         return est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB <= capacity
 
-    layers = max((n for n in range(1, 33) if fits(n)), default=1)
+    layers = layers or max((n for n in range(1, 33) if fits(n)), default=1)
+    echo(f"  the one-GPU layout: {ONE_GPU['flavor']}'s widths, {layers} of its blocks, seq {ONE_GPU['seq']}")
     return [(prec, ac, cfg(layers, ac, prec != "bf16")) for prec in precisions for ac in AC_MODES]
 
 
-def compare(out: Path, rounds: int, steps: int, quick: bool, threads: int | None, device: str, echo=click.echo) -> dict:
+def compare(
+    out: Path, rounds: int, steps: int, quick: bool, threads: int | None, device: str, layers: int = 0, echo=click.echo
+) -> dict:
     """Every round: measure the spec (write it), then run and predict each layout against it.
     Returns the summary written to out/comparison.json."""
     from recipes.gpu_spec.command import measure_spec
@@ -189,7 +193,7 @@ def compare(out: Path, rounds: int, steps: int, quick: bool, threads: int | None
             shipped = base_spec(m.device)
             if shipped:
                 specs[shipped] = shipped
-        for prec, ac, cfg in _layouts(m, spec.hbm_capacity_gib, quick, echo if r == 1 else lambda _: None):
+        for prec, ac, cfg in _layouts(m, spec.hbm_capacity_gib, quick, echo if r == 1 else lambda _: None, layers):
             pred, alloc_gib, reserved_gib = predicted(cfg, specs, spec.hbm_capacity_gib)
             t = time.perf_counter()
             times, mem = run_layout(cfg, steps, out / f"round{r}_{prec.replace(' ', '_')}_{ac}")
@@ -274,7 +278,9 @@ def comparison_table(summary: dict) -> str:
     return tabulate(rows, headers=headers)
 
 
-def one_device(out: Path, rounds: int, steps: int, quick: bool, threads: int | None, device: str) -> int:
+def one_device(
+    out: Path, rounds: int, steps: int, quick: bool, threads: int | None, device: str, layers: int = 0
+) -> int:
     """The command's body: the comparison printed and written (out/comparison.json); exit 0 when
     every bf16 layout is predicted within TARGET, 1 when not, 3 when the device cannot be measured."""
     from recipes.gpu_spec.device import CannotMeasure
@@ -283,7 +289,7 @@ def one_device(out: Path, rounds: int, steps: int, quick: bool, threads: int | N
     click.echo(f"preflight --gpus 1 in {out}: measure the device -> spec -> predict -> run -> compare")
     t0 = time.perf_counter()
     try:
-        summary = compare(out, rounds, steps, quick, threads, device)
+        summary = compare(out, rounds, steps, quick, threads, device, layers)
     except CannotMeasure as e:
         click.echo(f"error: cannot measure: {e}; nothing run", err=True)
         return 3
