@@ -15,7 +15,7 @@ which collective) or `python -m core.debug fr <dir> --torchfrtrace` (torch's ana
 
 Timeouts (as torchtitan): `comm.init_timeout_seconds` for process-group creation and the first
 step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group
-but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint_dist.py). A compiled
+but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint/collectives.py). A compiled
 pipeline's first step compiles rank after rank, so its timeout grows with pp (`first_step_timeout`,
 stated in the result record).
 

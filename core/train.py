@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from core import cpu_gemm
 from core.build import build_model, with_attention_dtype
-from core.checkpoint import Checkpointer
-from core.checkpoint_folder import CheckpointError
-from core.checkpoint_state import TrainState
+from core.checkpoint.checkpointer import Checkpointer
+from core.checkpoint.folder import CheckpointError
+from core.checkpoint.state import TrainState
 from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
 from core.data.datasets import build_dataloader
 from core.data.shards import CorpusError

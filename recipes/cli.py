@@ -23,14 +23,14 @@ from tabulate import tabulate
 
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
 from recipes import hardware_check, launcher, modes, options, output, registry
-from recipes.readme import recipe_table
+from recipes.report.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
 # name -> ("module:attribute" of a click command, imported lazily; its line in `--help`).
 EXTENSIONS: dict[str, tuple[str, str]] = {
     "bench": ("recipes.studies.bench:bench", "Trainer overhead, proxy MFU, FSDP memory per rank (+ the two below)."),
     "benchmark-report": (
-        "recipes.benchmark_report:benchmark_report",
+        "recipes.report.benchmarks:benchmark_report",
         "results/benchmarks/<date>-<cpu>.md from the measurements already written, and its index.",
     ),
     "checkpoint-bench": (
@@ -43,7 +43,7 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
     ),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
     "dry-run-table": (
-        "recipes.dryrun_table:main",
+        "recipes.report.dryrun_table:main",
         "results/dry_run.{csv,md} from the dry-run records (--all, --predict, --calibrate).",
     ),
     "gpu-spec": (
@@ -56,7 +56,7 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
         "First command on a new node: every feature the rows need, a verdict each, 1D parity.",
     ),
     "peer-bench": ("recipes.peer_bench.command:peer_bench", "Tokens/s beside torchtitan 0.3.0 on this CPU."),
-    "plan": ("recipes.plan:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
+    "plan": ("recipes.plan.layouts:plan", "Propose FSDP/TP/PP/CP degrees, checked by the dry-run memory estimate."),
     "toggles-bench": (
         "recipes.studies.toggles_bench:toggles_bench",
         "AC, regional compile and Float8 on the CPU proxy.",
@@ -391,8 +391,8 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
 @click.option("--skip-bad-records", is_flag=True, help=SKIP_BAD_HELP)
 def results_cmd(records_dir, out_dir, skip_bad_records):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
-    from recipes import results  # pandas + matplotlib: only for the command that writes tables
-    from recipes.table_data import RecordError
+    from recipes.report import results  # pandas + matplotlib: only for the command that writes tables
+    from recipes.report.table_data import RecordError
 
     records = Path(records_dir) if records_dir else launcher.default_records_dir()
     out = Path(out_dir) if out_dir else launcher.project_root() / "results"

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.checkpoint_folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
+from core.checkpoint.folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
 from core.config import ConfigError, JobConfig, apply_dict, save_config
 from core.fileio import atomic_copy, atomic_write_json
 from core.models.args import model_args, model_shape
@@ -175,7 +175,7 @@ def checkpoint_steps(cfg: JobConfig, run_dir: Path) -> list[int]:
 
 
 def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
-    """(step, folder) a run starts at from checkpoint.resume_from (core.checkpoint_folder's
+    """(step, folder) a run starts at from checkpoint.resume_from (core.checkpoint.folder's
     choice, without torch); None when that choice fails: the trainer names why."""
     try:
         src = resolve_source(Path(cfg.checkpoint.resume_from), cfg.checkpoint.load_step)

@@ -1,6 +1,6 @@
 """Scale simulation of the checkpoint checksums (issue 27). W ranks on gloo each own a large
 shard file (sparse: os.truncate, so no disk space is used) in a checkpoint folder's layout, then
-run what core/checkpoint.py runs after a save and before a load: each rank checksums the files it
+run what core/checkpoint/checkpointer.py runs after a save and before a load: each rank checksums the files it
 wrote, every rank gets the parts and rank 0 writes the manifest; each rank verifies its share.
 Prints each rank's checksum time (wall and this rank's CPU) and how long it then waited for the
 others (and, with --baseline, the time rank 0 alone takes over every file, as before issue 27).
@@ -30,9 +30,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from any directory
 
-from core.checkpoint_dist import checkpoint_group, gather_checksums, own_checksums, verification_plan, verify_everywhere
-from core.checkpoint_folder import INFO, METADATA, publish, step_dir, tmp_dir
-from core.checkpoint_manifest import ALGORITHM, checksum_files, write_manifest
+from core.checkpoint.collectives import (
+    checkpoint_group,
+    gather_checksums,
+    own_checksums,
+    verification_plan,
+    verify_everywhere,
+)
+from core.checkpoint.folder import INFO, METADATA, publish, step_dir, tmp_dir
+from core.checkpoint.manifest import ALGORITHM, checksum_files, write_manifest
 from core.fileio import atomic_write_json
 from core.metrics import cpu_model
 from core.result import versions

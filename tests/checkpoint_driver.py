@@ -28,8 +28,8 @@ def main() -> None:
     # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
-    from core import checkpoint_manifest
-    from core.checkpoint_folder import CheckpointError
+    from core.checkpoint import manifest
+    from core.checkpoint.folder import CheckpointError
     from core.config import load_config
     from core.train import init_distributed, run
     from core.validate import validate
@@ -40,8 +40,8 @@ def main() -> None:
     init_distributed(validate(load_config(None, first["overrides"]), world))
     hashed: list[str] = []
     if plan.get("record_checksums"):
-        checksum = checkpoint_manifest.checksum
-        checkpoint_manifest.checksum = lambda path: hashed.append(str(path)) or checksum(path)
+        checksum = manifest.checksum
+        manifest.checksum = lambda path: hashed.append(str(path)) or checksum(path)
     for job in plan["jobs"]:
         out = Path(plan["root"]) / job["name"]
         if (out / "result.json").exists():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from recipes import benchmark_report as br
 from recipes.cli import main
+from recipes.report import benchmarks as br
 
 pytestmark = pytest.mark.core
 

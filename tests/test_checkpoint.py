@@ -22,9 +22,9 @@ import psutil
 import pytest
 import torch
 
-from core.checkpoint import main as ckpt_main
-from core.checkpoint_files import import_hf, load_model_weights, read_metadata
-from core.checkpoint_folder import CheckpointError, complete_steps, resolve
+from core.checkpoint.files import import_hf, load_model_weights, read_metadata
+from core.checkpoint.files import main as ckpt_main
+from core.checkpoint.folder import CheckpointError, complete_steps, resolve
 from core.config import ConfigError, load_config
 from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from core import checkpoint_dist
 from core import train as train_module
-from core.checkpoint import Checkpointer
-from core.checkpoint_folder import MANIFEST, complete_steps
-from core.checkpoint_manifest import checksum_files, read_manifest, shares, write_manifest, written_by
+from core.checkpoint import collectives
+from core.checkpoint.checkpointer import Checkpointer
+from core.checkpoint.folder import MANIFEST, complete_steps
+from core.checkpoint.manifest import checksum_files, read_manifest, shares, write_manifest, written_by
 from core.config import ConfigError, load_config
 from core.debug import pg_timeout_seconds
 from core.train import run
@@ -118,7 +118,7 @@ def test_checkpoint_group_has_its_own_timeout(pg, tmp_path, monkeypatch):
 def test_progress_lines_for_a_long_save(pg, tmp_path, monkeypatch, capsys):
     """While a phase runs longer than PROGRESS_EVERY_S rank 0 says so, and a save that took longer
     is reported by phase when it is published."""
-    monkeypatch.setattr(checkpoint_dist, "PROGRESS_EVERY_S", 0.1)
+    monkeypatch.setattr(collectives, "PROGRESS_EVERY_S", 0.1)
     real = dcp.save
     monkeypatch.setattr(dcp, "save", lambda *a, **k: time.sleep(0.35) or real(*a, **k))  # a slow file system
     train(tmp_path, *CKPT, "--training.steps=1")

@@ -12,8 +12,8 @@ import time
 import pandas as pd
 import pytest
 
-from recipes import loss_curves as curves
 from recipes import registry
+from recipes.report import loss_curves as curves
 from recipes.studies import convergence as conv
 
 pytestmark = pytest.mark.dryrun

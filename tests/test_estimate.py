@@ -1,4 +1,4 @@
-"""Dry-run at true scale (core/dryrun/) and the layout advisor (recipes/plan.py).
+"""Dry-run at true scale (core/dryrun/) and the layout advisor (recipes/plan/layouts.py).
 
 The paper rows run their real layout on a fake process group of their world size; the
 accounting is checked against torch's memory tracker on the real code (small models, same
@@ -21,8 +21,8 @@ from core.dryrun import fake_step as F
 from core.dryrun import memory as M
 from core.dryrun import record as R
 from core.validate import validate
-from recipes import dryrun_table as T
 from recipes import launcher, registry
+from recipes.report import dryrun_table as T
 
 pytestmark = pytest.mark.dryrun
 
@@ -355,7 +355,7 @@ PAPER_SETTINGS = [
     "setting,layout", PAPER_SETTINGS, ids=["8b_8", "70b_256", "70b_256_default_batch", "405b_512", "8b_262k"]
 )
 def test_advisor_reaches_the_paper_layout(setting, layout):
-    from recipes.plan import candidates
+    from recipes.plan.layouts import candidates
 
     model, gpus, seq, lb = setting
     # the paper's 405B runs use Float8 with its FSDP all-gather (Tables 3 and 5)

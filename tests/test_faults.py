@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import filesystem
 
-from core.checkpoint_files import load_model_weights
-from core.checkpoint_folder import CheckpointError, complete_steps
+from core.checkpoint.files import load_model_weights
+from core.checkpoint.folder import CheckpointError, complete_steps
 from core.config import ConfigError, load_config
 from core.data.documents import BadDocumentError
 from core.train import NonFiniteError, run

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from core import run_lock
 from recipes import launcher, output
-from recipes.plan import plan
+from recipes.plan.layouts import plan
 from tests import fault_utils
 from tests.dist_utils import ROOT
 from tests.fault_utils import ROW, digest, invoke

@@ -53,8 +53,8 @@ def _replaces(path: Path) -> list[int]:
 
 def test_one_atomic_writer():
     """Files are replaced only in core/fileio.py; checkpoint *folders* are renamed only by their
-    owner, core/checkpoint_folder.py."""
-    owners = {"core/fileio.py", "core/checkpoint_folder.py"}
+    owner, core/checkpoint/folder.py."""
+    owners = {"core/fileio.py", "core/checkpoint/folder.py"}
     bad = {
         str(p.relative_to(ROOT)): lines
         for pkg in ("core", "recipes")

@@ -166,7 +166,7 @@ def test_gpu_file_is_taken_where_a_spec_name_is(tmp_path):
     from core.dryrun.record import dry_run
     from core.validate import validate
     from recipes.gpu_spec.shapes import PROXY, layout_config
-    from recipes.plan import plan
+    from recipes.plan.layouts import plan
 
     path = tmp_path / "cpu.toml"
     path.write_text(spec_document(_measurements(CPU, GLOO), "measured_test_cpu", None)[0])

@@ -267,7 +267,7 @@ def test_all_rows_predicted_fast():
 
 
 def test_plan_ranks_100_candidates_by_speed_fast():
-    from recipes.plan import candidates
+    from recipes.plan.layouts import candidates
 
     t0 = time.perf_counter()
     n = 0
@@ -356,7 +356,7 @@ PCT_GOAL, ROWS_GOAL = 15.0, 15
 
 
 def _effects() -> list[dict]:
-    from recipes.dryrun_table import bench_tps, published_effects
+    from recipes.report.dryrun_table import bench_tps, published_effects
 
     ref = {
         r.id: r.reference["paper_tps_per_gpu"] for r in registry.all_recipes() if r.reference.get("paper_tps_per_gpu")
@@ -416,7 +416,7 @@ def test_fitted_constants_are_what_their_named_figures_give():
     holds one names it (constant and figure) in its calibration note, which predictions carry;
     every other spec calibrates nothing."""
     from core.dryrun import calibrate
-    from recipes import perf_validation
+    from recipes.report import perf_validation
 
     assert len(calibrate.FITS) <= 2 and len({f.figure for f in calibrate.FITS}) <= 2
     fitted = calibrate.fit(perf_validation.fit_targets())

@@ -1,6 +1,6 @@
 """The performance model's mechanisms (core/dryrun/gemm.py, linears.py, asynctp.py): GEMM rates
 by shape, Float8 recipes, AsyncTP's bounds, the spec format, and the validation against the
-public figures (recipes/perf_validation.py) with its error band."""
+public figures (recipes/report/perf_validation.py) with its error band."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def test_a_rowwise_linear_is_never_priced_faster_than_the_measured_grid():
 # ------------------------------------------------------------------------------- validation
 @functools.cache
 def _validated():
-    from recipes import perf_validation as V
+    from recipes.report import perf_validation as V
 
     return V, V.predict_all(V.figures())
 

@@ -1,4 +1,4 @@
-"""`run-recipe plan --tokens N --days D` (recipes/plan_budget.py): the smallest whole-node GPU count
+"""`run-recipe plan --tokens N --days D` (recipes/plan/budget.py): the smallest whole-node GPU count
 and layout that finish a token budget in time, its refusals, its monotonicity, its speed."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
-from recipes.plan import best_at, candidates, plan
-from recipes.plan_budget import MAX_GPUS, TOKENS, Setup, fastest_tokens_per_gpu, search
+from recipes.plan.budget import MAX_GPUS, TOKENS, Setup, fastest_tokens_per_gpu, search
+from recipes.plan.layouts import best_at, candidates, plan
 
 pytestmark = pytest.mark.perfmodel
 
@@ -109,7 +109,7 @@ def test_says_why_nothing_finishes():
 
 @pytest.mark.parametrize("model", ["8B", "70B", "405B"])
 def test_answers_in_under_30_s(model):
-    from recipes import plan_budget
+    from recipes.plan import budget as plan_budget
 
     plan_budget._BEST.clear()  # no answer from an earlier test: the search from scratch
     t0 = time.perf_counter()

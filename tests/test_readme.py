@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from recipes import benchmark_report, launcher, modes, multinode, readme, registry
+from recipes import launcher, modes, multinode, registry
 from recipes.cli import main
+from recipes.report import benchmarks as benchmark_report
+from recipes.report import readme
 
 pytestmark = pytest.mark.dryrun
 
@@ -34,7 +36,7 @@ def test_readme_table_is_the_registry():
     assert table is not None, "README.md lost its recipe-table markers"
     res = CliRunner().invoke(main, ["list", "--markdown"], catch_exceptions=False)
     assert res.exit_code == 0
-    assert table == res.output.strip("\n"), "README's recipe table is stale: run `python -m recipes.readme`"
+    assert table == res.output.strip("\n"), "README's recipe table is stale: run `python -m recipes.report.readme`"
     body = table.splitlines()[2:]
     assert len(body) == len(registry.all_recipes()) == 22
     for r, line in zip(registry.all_recipes(), body, strict=True):

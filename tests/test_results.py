@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
-from recipes import figures, registry, results, table_data
+from recipes import registry
+from recipes.report import figures, results, table_data
 
 pytestmark = pytest.mark.dryrun
 

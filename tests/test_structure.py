@@ -188,7 +188,7 @@ def test_no_function_over_80_lines():
         "core.config",
         "core.parallel.stages",
         "core.models.args",
-        "core.checkpoint_folder",
+        "core.checkpoint.folder",
         "core.fileio",
     ],
 )

@@ -29,7 +29,7 @@ def _value(v) -> str:
 
 def write(summary: dict) -> None:
     """accuracy.toml from the validation's summary (perf_validation.summary)."""
-    lines = ["# Written by `run-recipe dry-run-table --validate` (recipes/perf_validation.py): do not edit."]
+    lines = ["# Written by `run-recipe dry-run-table --validate` (recipes/report/perf_validation.py): do not edit."]
     lines += [f"{k} = {_value(summary[k])}" for k in KEYS]
     for gpu, g in sorted(summary.get("gpus", {}).items()):
         lines += ["", f"[gpus.{gpu}]"] + [f"{k} = {_value(g[k])}" for k in GPU_KEYS]

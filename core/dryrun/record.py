@@ -44,7 +44,7 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
         "hardware": {"device": device_info()["device"]},  # where the fake step's seconds were measured
         "world_size": dims.world_size,
         "estimated_peak_gib": round(est["estimated_peak_gib"], 2),
-        "estimated_peak_memory_gib": round(est["estimated_peak_gib"], 2),  # recipes/table_data.py's key
+        "estimated_peak_memory_gib": round(est["estimated_peak_gib"], 2),  # recipes/report/table_data.py's key
         "allocated_peak_gib": round(est["allocated_peak_gib"], 2),
         "breakdown": {k: round(v, 3) for k, v in est["breakdown"].items()},
         "peak_at": est["peak_at"],

@@ -30,7 +30,7 @@ def layout_config(
 ) -> JobConfig:
     """One rank's config (bf16 compute, fp32 reduce, synthetic data) for the shapes and the
     one-device runs; `ac` none | full | selective (op, every other matmul saved)."""
-    from recipes.plan import base_config  # the paper's shared setup, as the layout advisor builds it
+    from recipes.plan.layouts import base_config  # the paper's shared setup, as the layout advisor builds it
 
     cfg = base_config(flavor, seq, local_batch)
     cfg.model.n_layers = n_layers

@@ -24,7 +24,7 @@ from core.fileio import atomic_write
 from recipes import launcher, modes
 from recipes.peer_bench import environment
 from recipes.peer_bench.patches import TORCHTITAN_VERSION
-from recipes.results import write_csv
+from recipes.report.results import write_csv
 
 FIRST_STEADY = 3
 COLUMNS = ["date", "cpu", "trainer", "nproc", "round", "steps", "tokens_per_s_per_rank"]

@@ -20,7 +20,7 @@ from core.reference import reference_run
 from core.train import Trainer
 from core.validate import validate
 from recipes import launcher, modes
-from recipes.results import read_csv, write_csv
+from recipes.report.results import read_csv, write_csv
 from recipes.studies import checkpoint_bench, toggles_bench
 from recipes.studies.common import one_rank_group, synthetic_job
 

@@ -32,7 +32,7 @@ from core.train import Trainer
 from core.validate import validate
 from recipes import launcher
 from recipes.options import out_file_option
-from recipes.results import write_csv
+from recipes.report.results import write_csv
 from recipes.studies.common import one_rank_group, synthetic_job
 
 MODES = ("disabled", "async", "async_with_pinned_mem")

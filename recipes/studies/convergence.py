@@ -6,7 +6,7 @@ curves overlap. Here each row's proxy (see llama3_8b/loss_convergence/defaults.t
 seq 128, FSDP 2 x local batch 4 in every layout, BF16 params + FP32 reduce, 500 steps, warmup
 100) runs through the normal launcher (torchrun -> core.train; the record is copied to
 results/records/proxy/). Then `run-recipe results` makes the curves, the plot and the check
-from the records (recipes/loss_curves.py), and, for full-length runs of every row, this writes
+from the records (recipes/report/loss_curves.py), and, for full-length runs of every row, this writes
 
     results/golden/loss_convergence.json   per-step losses + versions
 
@@ -25,8 +25,9 @@ from pathlib import Path
 import click
 
 from core.fileio import atomic_write_json
-from recipes import launcher, modes, options, results, table_data
-from recipes.loss_curves import TOLERANCE, check, column, control, record_label, rows
+from recipes import launcher, modes, options
+from recipes.report import results, table_data
+from recipes.report.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
 
 # Regression prefix: the first PREFIX_STEPS steps of each row, re-run on every CI run, must match

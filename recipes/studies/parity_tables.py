@@ -12,7 +12,7 @@ import torch
 from tabulate import tabulate
 
 from core.fileio import atomic_write, atomic_write_json
-from recipes.results import read_csv, write_csv
+from recipes.report.results import read_csv, write_csv
 from recipes.studies.parity_layouts import (
     BASE,
     BY_NAME,

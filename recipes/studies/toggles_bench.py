@@ -33,7 +33,7 @@ from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from recipes import launcher
-from recipes.results import write_csv
+from recipes.report.results import write_csv
 from recipes.studies.common import one_rank_group
 from recipes.studies.toggles_float8 import float8_deviation, float8_fsdp
 from recipes.studies.toggles_interleaved import bench_overrides, interleaved, max_diff, median

@@ -1,5 +1,5 @@
 """A checkpoint folder's layout, without torch: the one owner of its names and of what makes a
-checkpoint complete. The Checkpointer (core/checkpoint.py) writes and loads through these; the
+checkpoint complete. The Checkpointer (core/checkpoint/checkpointer.py) writes and loads through these; the
 launcher reads a run's checkpoints through them before anything is spawned.
 
     <folder>/step-N/        a complete checkpoint: DCP shards, `.metadata`, `titan.json`, `manifest.json`
@@ -22,7 +22,7 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 TMP = ".tmp"
 INFO = "titan.json"
 METADATA = ".metadata"
-MANIFEST = "manifest.json"  # per-file sizes and CRC32s, written last (core/checkpoint_manifest.py)
+MANIFEST = "manifest.json"  # per-file sizes and CRC32s, written last (core/checkpoint/manifest.py)
 
 
 class CheckpointError(RuntimeError):

@@ -1,6 +1,6 @@
 """The figure of a paper table (results/<table>.png), from the dry-run records' predictions only:
 paper vs predicted TPS/GPU per row (left) and the predicted step breakdown per row, stacked
-(right), so a reader sees where each technique buys its time. Written by recipes/results.py."""
+(right), so a reader sees where each technique buys its time. Written by recipes/report/results.py."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def table_figure(title: str, rows: list[dict], path: str | Path) -> Path | None:
 
 
 def figure_rows(df, records: dict) -> list[dict]:
-    """What table_figure draws, per row of a results table frame (recipes.table_data.table_frame),
+    """What table_figure draws, per row of a results table frame (recipes.report.table_data.table_frame),
     with the breakdown and step time from the row's dry-run record."""
     out = []
     for _, row in df.iterrows():

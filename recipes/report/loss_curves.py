@@ -1,7 +1,7 @@
 """The loss-convergence curves from the records: per-step losses, smoothing, the check of each
 N-D row against the 1D control, the plot and the check's markdown (results/loss_convergence.*).
 
-Read by `recipes/results.py` (`run-recipe results`) and by `run-recipe convergence`
+Read by `recipes/report/results.py` (`run-recipe results`) and by `run-recipe convergence`
 (recipes/studies/convergence.py, which runs the rows). From the records only, `write_outputs` makes
 
     results/loss_convergence.csv    step, then one loss column per row

@@ -6,7 +6,7 @@ The checkpoint's group is gloo with `comm.checkpoint_timeout_seconds`: its colle
 file-system I/O (a rank still writing, or still checksumming), which can take far longer than the
 training timeout (`comm.train_timeout_seconds`, applied to every other group after the first
 step; core/train.py excludes this one). Which files a rank checksums or verifies:
-core/checkpoint_manifest.py.
+core/checkpoint/manifest.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.checkpoint_folder import CheckpointError, damaged_hint
-from core.checkpoint_manifest import checksum_files, read_manifest, shares, verify_files, written_by
+from core.checkpoint.folder import CheckpointError, damaged_hint
+from core.checkpoint.manifest import checksum_files, read_manifest, shares, verify_files, written_by
 from core.logs import get_logger
 
 log = get_logger(__name__)

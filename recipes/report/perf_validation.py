@@ -3,7 +3,7 @@ dry-run-table --validate`): results/perf_validation.csv and .md, and the error b
 predictions print (core/dryrun/accuracy.toml).
 
 The figures: the paper's (each row's `paper_tps_per_gpu`), torchtitan's Dec 2024 re-run (each
-row's `bench_tps_per_gpu`) and the other public measurements in recipes/perf_figures.toml, each
+row's `bench_tps_per_gpu`) and the other public measurements in recipes/report/perf_figures.toml, each
 with its source, GPU system and full configuration. A figure a constant was fitted on
 (core/dryrun/calibrate.py) is marked and left out of the error.
 """
@@ -59,12 +59,12 @@ class Figure:
 
 @functools.cache
 def data() -> dict:
-    return tomllib.loads((resources.files("recipes") / "perf_figures.toml").read_text(encoding="utf-8"))
+    return tomllib.loads((resources.files("recipes.report") / "perf_figures.toml").read_text(encoding="utf-8"))
 
 
 def figures() -> list[Figure]:
     """Every public figure: the paper's and the Dec 2024 re-run's for each row that has one, then
-    the others (recipes/perf_figures.toml)."""
+    the others (recipes/report/perf_figures.toml)."""
     out = []
     for col, key in (("paper", "paper_tps_per_gpu"), ("bench-2412", "bench_tps_per_gpu")):
         for r in registry.all_recipes():
@@ -187,7 +187,7 @@ def _world(cfg) -> int:
 
 
 def effects(figs: list[Figure]) -> list[dict]:
-    """recipes/perf_figures.toml's effects (one figure over another, x 100), measured vs predicted."""
+    """recipes/report/perf_figures.toml's effects (one figure over another, x 100), measured vs predicted."""
     by_id = {f.id: f for f in figs}
     out = []
     for e in data()["effects"]:
@@ -211,7 +211,7 @@ def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
     band the model states (core/dryrun/accuracy.toml): a validation written elsewhere changes nothing
     the package ships."""
     from recipes.launcher import results_root
-    from recipes.results import write_csv
+    from recipes.report.results import write_csv
 
     rows = csv_rows(figs)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,8 @@ def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
 
 
 def _markdown(rows: list[dict], s: dict, effs: list[dict], outside: list[Figure]) -> str:
-    t = tomllib.loads((resources.files("recipes") / "templates" / "perf_validation.toml").read_text(encoding="utf-8"))
+    template = resources.files("recipes.report") / "templates" / "perf_validation.toml"
+    t = tomllib.loads(template.read_text(encoding="utf-8"))
     mae_met, worst_met = s["mean_abs_error_pct"] <= MAE_GOAL_PCT, abs(s["worst_pct"]) <= WORST_GOAL_PCT
     lines = [t["title"], "", t["intro"].format(calibration=", ".join(calibrate.describe())), ""]
     lines += [

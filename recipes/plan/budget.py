@@ -2,7 +2,7 @@
 layout predicted to train on N tokens within D days, with the predicted days, GPU-hours and the
 performance model's error band.
 
-At a GPU count, the layout is `run-recipe plan --gpus` 's first one (recipes/plan.py: the layouts
+At a GPU count, the layout is `run-recipe plan --gpus` 's first one (recipes/plan/layouts.py: the layouts
 that fit and follow the paper's guidance, ranked by predicted tokens/s per GPU), and its days are
 N / (its tokens/s per GPU x the count). A count where only layouts against the guidance fit (an
 FSDP group of thousands: its all-gathers latency-bound, its global batch grown with it) does not
@@ -33,7 +33,7 @@ import click
 
 if TYPE_CHECKING:  # type names only
     from core.dryrun.gpuspec import GPUSpec
-    from recipes.plan_candidate import Candidate
+    from recipes.plan.candidate import Candidate
 
 MAX_GPUS = 16384
 SECONDS_PER_DAY = 86400

@@ -1,7 +1,7 @@
 """A checkpoint's contents, without a process group: DCP's errors in one line, its metadata and
 shards checked before anything is loaded, and the single-process tools (full weights, Hugging
 Face export / import, and `main`: their command line, `python -m core.checkpoint`). The folder's
-layout and names: core/checkpoint_folder.py."""
+layout and names: core/checkpoint/folder.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from core.checkpoint_folder import (
+from core.checkpoint.folder import (
     INFO,
     METADATA,
     TMP,
@@ -175,7 +175,7 @@ def import_hf(hf_folder: str | os.PathLike, out: str | os.PathLike, step: int = 
     tmp = out.with_name(out.name + TMP)
     shutil.rmtree(tmp, ignore_errors=True)
     dtypes = {v.dtype for v in model.values()}
-    state = {"model": model, "train_state": {"step": step}}  # the keys core/checkpoint_state.py writes
+    state = {"model": model, "train_state": {"step": step}}  # the keys core/checkpoint/state.py writes
     dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     info = {
         "step": step,

@@ -1,6 +1,6 @@
 """The README's recipe table, generated from the registry (`run-recipe list --markdown`).
 
-README.md holds the table between BEGIN and END below; `python -m recipes.readme` rewrites it
+README.md holds the table between BEGIN and END below; `python -m recipes.report.readme` rewrites it
 there, and tests/test_readme.py fails when the README and the registry disagree.
 """
 

@@ -1,6 +1,6 @@
 """A checkpoint's manifest (`MANIFEST`): every file's size and CRC32, written last, checked before
 a load. No rank reads the whole checkpoint: the work is split by rank (the collectives that join
-the parts are core/checkpoint_dist.py). This module is torch-free.
+the parts are core/checkpoint/collectives.py). This module is torch-free.
 
 Save: each rank checksums the files it wrote. DCP's FileSystemWriter (torch 2.13, one file per
 rank and I/O thread) names them `__<R>_<n>.distcp`, R being the rank's place in the save's process
@@ -24,7 +24,7 @@ import time
 import zlib
 from pathlib import Path
 
-from core.checkpoint_folder import INFO, MANIFEST, METADATA, CheckpointError, read_info
+from core.checkpoint.folder import INFO, MANIFEST, METADATA, CheckpointError, read_info
 from core.fileio import atomic_write_json
 
 ALGORITHM = "crc32"  # zlib.crc32: ~1.2 GB/s per core here, in the standard library, named in the manifest

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from recipes.plan_budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
-from recipes.plan_candidate import Candidate
-from recipes.plan_report import against_the_paper, ranked_json, ranked_table
+from recipes.plan.budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
+from recipes.plan.candidate import Candidate
+from recipes.plan.report import against_the_paper, ranked_json, ranked_table
 
 if TYPE_CHECKING:  # type names only: the spec module is loaded when a plan runs
     from core.dryrun.gpuspec import GPUSpec
@@ -267,7 +267,7 @@ def plan(
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
     estimate) ranked by predicted tokens/s per GPU (dry-run performance model). Without --gpus,
     with --tokens and --days: the smallest GPU count (whole nodes) and layout predicted to train
-    on the tokens in time (recipes/plan_budget.py)."""
+    on the tokens in time (recipes/plan/budget.py)."""
     from core.dryrun.accuracy import text as band_text
     from core.dryrun.gpuspec import DEFAULT_GPU, SpecError, load_spec
 
@@ -282,7 +282,7 @@ def plan(
         raise click.BadParameter("give --local-batch or --global-batch, not both")
     setup = Setup(model, seq, gpu_mem, local_batch, global_batch, gpus_per_node, not no_compile, float8, spec)
     if gpus is None:
-        from recipes.plan_budget import budget_command
+        from recipes.plan.budget import budget_command
 
         if tokens is None or days is None:
             raise click.UsageError("give --gpus, or --tokens and --days (the GPU count is then found)")

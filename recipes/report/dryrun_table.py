@@ -20,8 +20,8 @@ from core.dryrun.record import predicted_record
 from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, registry
 from recipes.options import out_dir_option
+from recipes.report.table_data import comparisons
 from recipes.schema import TABLES
-from recipes.table_data import comparisons
 
 CSV_COLUMNS = (
     "recipe",
@@ -87,8 +87,8 @@ def write_dry_run_table(records: list[dict], out_dir, references: dict[str, dict
 
 @functools.cache
 def prose() -> dict:
-    """The words of results/dry_run.md (recipes/templates/dry_run.toml), with placeholders."""
-    text = (resources.files("recipes") / "templates" / "dry_run.toml").read_text(encoding="utf-8")
+    """The words of results/dry_run.md (recipes/report/templates/dry_run.toml), with placeholders."""
+    text = (resources.files("recipes.report") / "templates" / "dry_run.toml").read_text(encoding="utf-8")
     return tomllib.loads(text)
 
 
@@ -177,7 +177,7 @@ def published_effects(
     predicted: dict[str, float], paper: dict[str, float], bench: dict[str, float] | None = None
 ) -> list[dict]:
     """The paper's published effects, paper vs predicted: each row with an `effect` label (its
-    TOML file) against the row it is compared with (recipes.table_data.comparisons: its
+    TOML file) against the row it is compared with (recipes.report.table_data.comparisons: its
     baseline, as a gain in %; in a table without baselines the previous row, as a TPS ratio
     x 100, e.g. each CP doubling). `met`: the same sign (gain > 0, ratio > 100) and within
     EFFECT_GOAL_PP of the paper, or of torchtitan's Dec 2024 re-run (`bench`) where it has both
@@ -297,14 +297,14 @@ def records_from_dir(records_dir) -> list[dict]:
 
 def _calibrate() -> None:
     """Refit the model's two fitted constants on their public figures and print them."""
-    from recipes import perf_validation
+    from recipes.report import perf_validation
 
     click.echo(calibrate_mod.fit(perf_validation.fit_targets()))
 
 
 def _validate(out_dir: Path) -> None:
     """results/perf_validation.{csv,md} and the error band (core/dryrun/accuracy.toml)."""
-    from recipes import perf_validation
+    from recipes.report import perf_validation
 
     figs = perf_validation.predict_all(perf_validation.figures())
     for path in perf_validation.write(out_dir, figs):
@@ -366,7 +366,7 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
 @click.option(
     "--validate",
     is_flag=True,
-    help="Predict every public figure (recipes/perf_figures.toml and the rows' references): "
+    help="Predict every public figure (recipes/report/perf_figures.toml and the rows' references): "
     "perf_validation.{csv,md} and the error band the predictions print.",
 )
 def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, validate):

@@ -11,15 +11,15 @@ finished on every rank (DCP's coordinator writes `.metadata` after all ranks rep
 writes, then every rank's `save` returns) and every rank has checksummed the files it wrote into
 the manifest, so "latest" is always a complete checkpoint. Before a load, every rank verifies a
 share of the files. Every checkpoint collective runs on the checkpoint's own gloo group, with
-`comm.checkpoint_timeout_seconds` (core/checkpoint_dist.py).
+`comm.checkpoint_timeout_seconds` (core/checkpoint/collectives.py).
 
-What is saved: core/checkpoint_state.py (one `Stateful` per kind of state, and the keys on disk).
+What is saved: core/checkpoint/state.py (one `Stateful` per kind of state, and the keys on disk).
 
 The Checkpointer is given what it saves (model parts, optimizer, LR scheduler, data loader, a
 `TrainState`) and hands DCP their `Stateful` views, which restore them in place; folder and file
-checks, error messages and the single-process tools are core/checkpoint_files.py.
+checks, error messages and the single-process tools are core/checkpoint/files.py.
 
-CLI (core/checkpoint_files.py `main`): `python -m core.checkpoint export-hf CKPT OUT
+CLI (core/checkpoint/files.py `main`, core/checkpoint/__main__.py): `python -m core.checkpoint export-hf CKPT OUT
 [--dtype bfloat16]`, `import-hf HF OUT`, `ls FOLDER`.
 """
 
@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from core.checkpoint_dist import (
+from core.checkpoint.collectives import (
     SaveProgress,
     all_done,
     checkpoint_group,
@@ -54,18 +53,17 @@ from core.checkpoint_dist import (
     verification_plan,
     verify_everywhere,
 )
-from core.checkpoint_files import (
+from core.checkpoint.files import (
     DTYPES,
     CheckpointException,
     _cause,
     check_files,
     check_shapes,
-    main,
     model_shape,
     read_metadata,
     save_error,
 )
-from core.checkpoint_folder import (
+from core.checkpoint.folder import (
     INFO,
     MANIFEST,
     METADATA,
@@ -78,8 +76,8 @@ from core.checkpoint_folder import (
     stale_tmp_dirs,
     tmp_dir,
 )
-from core.checkpoint_manifest import write_manifest
-from core.checkpoint_state import JsonState, ModelParts, ModelState, OptimizerState, RngState, dataloader_key
+from core.checkpoint.manifest import write_manifest
+from core.checkpoint.state import JsonState, ModelParts, ModelState, OptimizerState, RngState, dataloader_key
 from core.config import JobConfig
 from core.fileio import atomic_write_json
 from core.logs import get_logger
@@ -468,7 +466,3 @@ class Checkpointer:
                 self._hook.remove()
                 self.stager.close()
                 self.stager = None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

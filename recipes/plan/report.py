@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # type names only
-    from recipes.plan_candidate import Candidate
+    from recipes.plan.candidate import Candidate
 
 
 def paper_layouts(model: str, gpus: int, seq: int) -> list:

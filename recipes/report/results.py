@@ -4,12 +4,12 @@ Records live in `<records_dir>/<mode>/<id__>.json` (mode: real, proxy, dry-run),
 and mode, the latest run's. Each table gets `<table>.md` and `<table>.csv`: one line per paper
 row, the paper (and bench-2412) figures from the recipe files beside the dry-run's prediction
 and memory and our proxy's (or real) figures. The CSV has every column; the .md a compact table,
-the provenance under it and the figure (`<table>.png`, recipes/figures.py); the numbers come from
-recipes/table_data.py. A cell with no record is empty. `README.md` indexes the tables, the other
+the provenance under it and the figure (`<table>.png`, recipes/report/figures.py); the numbers come from
+recipes/report/table_data.py. A cell with no record is empty. `README.md` indexes the tables, the other
 results files when present, and says how each number was made.
 
 The loss-convergence table is the exception in naming: `loss_convergence.csv` holds the curves
-(step x row, recipes/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
+(step x row, recipes/report/loss_curves.py), so its table goes to `loss_convergence_table.csv`, and
 `loss_convergence.md` carries the table, the curves' check and a link to the plot.
 """
 
@@ -26,10 +26,11 @@ import pandas as pd
 import tomllib
 
 from core.fileio import atomic_path, atomic_write
-from recipes import figures, loss_curves, registry
+from recipes import registry
 from recipes.launcher import relative
+from recipes.report import figures, loss_curves
+from recipes.report.table_data import load_records, predicted_part, table_frame
 from recipes.schema import TABLES, Recipe
-from recipes.table_data import load_records, predicted_part, table_frame
 
 
 # ------------------------------------------------------------------------------- CSV files
@@ -196,9 +197,10 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
 
 @functools.cache
 def prose() -> dict:
-    """The prose results/ prints (recipes/results_readme.toml): README intro, table footers, how
-    each number was made, what the other results files are."""
-    return tomllib.loads((resources.files("recipes") / "results_readme.toml").read_text(encoding="utf-8"))
+    """The prose results/ prints (recipes/report/templates/results_readme.toml): README intro, table
+    footers, how each number was made, what the other results files are."""
+    template = resources.files("recipes.report") / "templates" / "results_readme.toml"
+    return tomllib.loads(template.read_text(encoding="utf-8"))
 
 
 def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records: bool = False) -> list[Path]:
