@@ -58,7 +58,7 @@ from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.process import exit_process, process_age_s
 from core.result import TrainOutcome, local_state_bytes, pp_record, result_record, write_result
-from core.run_lock import RUN_LOCK_ENV, RunDirBusy, run_dir_lock
+from core.run_folder import RUN_LOCK_ENV, RunDirBusy, lock
 from core.step import TrainStep, pipeline_loss
 from core.step_hooks import GCAtSteps, StepProfiler
 from core.toggles import compile_cache
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as owned:
             if os.environ.get(RUN_LOCK_ENV) == "1" and dist.get_rank() == 0:  # a SLURM job owns its folders
                 for c in cfgs:
-                    owned.enter_context(run_dir_lock(Path(c.job.output_dir)))
+                    owned.enter_context(lock(Path(c.job.output_dir)))
             run_jobs(cfgs, startup_s)
     except RunDirBusy as e:  # another run holds a folder: nothing of this job ran
         log.error(f"error: {e}")

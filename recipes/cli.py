@@ -21,8 +21,9 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
+from core import run_folder
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
-from recipes import hardware_check, launcher, modes, options, output, registry
+from recipes import hardware_check, launcher, modes, options, output, paths, registry
 from recipes.report.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
 
@@ -195,7 +196,7 @@ def show_cmd(recipe_id, as_json, overrides):
     """A row: resolved paper and proxy configs, reference figures, what each mode needs."""
     try:
         r = registry.get(recipe_id)
-        cfgs = {m: launcher.resolve_config(r, m, overrides) for m in ("real", "proxy")}
+        cfgs = {m: registry.resolve_config(r, m, overrides) for m in ("real", "proxy")}
     except (RecipeError, ConfigError) as e:
         _fail(f"error: {e}", EXIT_CONFIG)
     hard, advisory = hardware_check.real_requirements(r, cfgs["real"])
@@ -275,7 +276,7 @@ def _config_rows(cfgs: dict[str, JobConfig]) -> list[list[str]]:
         if (paper[k] != defaults.get(k) or proxy[k] != defaults.get(k)) and not k.startswith(skip)
     ]
     return rows + [
-        [k, launcher.relative(paper[k]), launcher.relative(proxy[k]), docs.get(k, "")]
+        [k, paths.relative(paper[k]), paths.relative(proxy[k]), docs.get(k, "")]
         for k in ("tokenizer.path", "data.path")
     ]
 
@@ -349,7 +350,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
     recipes = _select(ids, table)
     options = modes.RunOptions(
         out=Path(out) if out else None,
-        records=Path(records_dir) if records_dir else (None if out else launcher.default_records_dir()),
+        records=Path(records_dir) if records_dir else (None if out else paths.default_records_dir()),
         several=len(recipes) > 1,
         max_restarts=max_restarts,
         slurm=slurm,
@@ -375,7 +376,7 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
     row = next((r for r in e.rows if not (r.run_dir / "result.json").is_file()), e.rows[0] if e.rows else None)
     if row is None:
         return f"\nstopped by {e}: nothing was running"
-    steps = launcher.checkpoint_steps(row.cfg, row.run_dir)
+    steps = run_folder.checkpoint_steps(row.cfg, row.run_dir)
     ckpt = f"last complete checkpoint step {steps[-1]}" if steps else "no complete checkpoint (it starts again)"
     sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
     return (  # a new line first: a progress bar may have the cursor
@@ -394,8 +395,8 @@ def results_cmd(records_dir, out_dir, skip_bad_records):
     from recipes.report import results  # pandas + matplotlib: only for the command that writes tables
     from recipes.report.table_data import RecordError
 
-    records = Path(records_dir) if records_dir else launcher.default_records_dir()
-    out = Path(out_dir) if out_dir else launcher.project_root() / "results"
+    records = Path(records_dir) if records_dir else paths.default_records_dir()
+    out = Path(out_dir) if out_dir else paths.project_root() / "results"
     try:
         written = results.write_results(records, out, skip_bad_records)
     except RecordError as e:

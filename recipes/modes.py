@@ -9,7 +9,9 @@ checked before anything is spawned, then launches, prints or writes the run and 
 - DryRunMode: the paper's configuration at true scale, traced on a fake process group in this
   process (core.dryrun): memory per rank and the predicted throughput.
 
-The shared mechanics (torchrun commands, run folders and their lock, records) are recipes/launcher.py.
+The shared mechanics: launching (torchrun commands, the environment, the dry run) is
+recipes/launcher.py; the run folder (made, owned, checked for a resume, its job and record) is
+core/run_folder.py.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import ClassVar
 
 import click
 
-from core import run_lock
+from core import run_folder
 from core.config import ConfigError, JobConfig
 from core.validate import validate
-from recipes import hardware_check, launcher, multinode
+from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
 from recipes.output import Stopped, failure_cause, stream
 from recipes.schema import Recipe
@@ -95,7 +97,7 @@ class RowMode:
 
     def resolve(self, recipe: Recipe, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
         """The row's overlay for this mode <- `--set` overrides, validated (ConfigError names the key)."""
-        return launcher.resolve_config(recipe, self.name, overrides, check_files=self.check_files)
+        return registry.resolve_config(recipe, self.name, overrides, check_files=self.check_files)
 
     def plan(self, recipe: Recipe, overrides: list[str] | tuple[str, ...]) -> Row:
         """A row resolved and checked for this mode (RowRefused says why not)."""
@@ -134,7 +136,7 @@ class RowMode:
         for row in rows:
             claim_run_dir(locks, row, self.options)
             try:
-                row.job = launcher.write_job(row.cfg, row.run_dir)
+                row.job = run_folder.write_job(row.cfg, row.run_dir)
             except OSError as e:  # a disk that filled since: nothing was spawned for this row
                 raise RowRefused(f"error: {row.recipe.id}: cannot write {e.filename}: {e.strerror or e}") from None
             if not self.run_elsewhere(row):
@@ -143,7 +145,7 @@ class RowMode:
 
     def record(self, result: Path, recipe: Recipe, records_dir: Path | None) -> Path | None:
         """The run's record copied to <records_dir>/<mode>/<id__>.json (none without a folder)."""
-        return launcher.copy_record(result, records_dir, self.name, recipe)
+        return run_folder.copy_record(result, records_dir, self.name, recipe.fname)
 
     def banner(self, row: Row) -> str:
         span = f" ({row.nnodes} nodes x {row.recipe.gpus_per_node})" if row.nnodes > 1 else ""
@@ -184,7 +186,7 @@ class RealMode(RowMode):
                 f"but is not a multiple of {r.gpus_per_node} GPUs per node"
             )
         if row.nnodes > 1 or self.options.slurm:
-            where = node_local_reason(Path(self.options.out or launcher.default_runs_dir()))
+            where = node_local_reason(Path(self.options.out or paths.default_runs_dir()))
             if where:
                 click.echo(
                     f"warning: {r.id}: --out: {where}: every node must read job.json and write there; "
@@ -340,10 +342,9 @@ def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) ->
     if row.run_dir is not None:
         return
     try:
-        row.run_dir = launcher.make_run_dir(row.recipe, options.out, options.several)
-        locks.enter_context(run_lock.run_dir_lock(row.run_dir))
-        launcher.check_resume_step(row.cfg, row.run_dir)
-    except run_lock.RunDirBusy as e:
+        row.run_dir = run_folder.make(row.recipe.fname, options.out, options.several, paths.default_runs_dir())
+        run_folder.claim(locks, row.cfg, row.run_dir)
+    except run_folder.RunDirBusy as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:
         raise RowRefused(f"config error: {row.recipe.id}: {e}") from None
@@ -390,7 +391,7 @@ def launch_trainer(
     target = launcher.trainer_target(config, [*overrides, f"--job.output_dir={out_dir}", f"--job.mode={mode.name}"])
     cmd = launcher.torchrun_command(world, target, max_restarts=max_restarts, forked=mode.forks_ranks)
     log = out_dir / "train.log"
-    with run_lock.run_dir_lock(out_dir):
+    with run_folder.lock(out_dir):
         rc = launcher.run_logged(cmd, mode.env(world, **(env or {})), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():

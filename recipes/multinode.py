@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from core.config import JobConfig
-from core.run_lock import RUN_LOCK_ENV
+from core.run_folder import RUN_LOCK_ENV
 from recipes.cluster_env import sbatch_env_lines
-from recipes.launcher import project_root, torchrun_command, torchrun_exe, trainer_target
+from recipes.launcher import torchrun_command, torchrun_exe, trainer_target
+from recipes.paths import project_root
 from recipes.schema import Recipe
 
 RDZV_PORT = 29500

@@ -17,10 +17,16 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
+import os
 from importlib import resources
+from pathlib import Path
 
 import tomllib
 
+from core.config import JobConfig, Mode, apply_dict
+from core.overrides import parse_override
+from core.validate import validate
+from recipes.paths import project_root
 from recipes.schema import REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError, deep_merge
 
 PACKAGES = ("llama3_8b", "llama3_70b", "llama3_405b", "long_context")
@@ -170,3 +176,27 @@ def select(patterns: list[str] | tuple[str, ...] = (), table: str | None = None)
 def table_info() -> dict[str, dict]:
     """Titles and captions of the paper tables (recipes/tables.toml)."""
     return _read(resources.files("recipes") / "tables.toml", "recipes/tables.toml")
+
+
+# ------------------------------------------------------------------ a row's config for a mode
+def _resolve_paths(cfg: JobConfig) -> None:
+    """Relative asset paths: as given if they exist from the working directory, else under the
+    project root (where `python -m core.data.assets --all` puts `assets/`)."""
+    for obj, key in ((cfg.tokenizer, "path"), (cfg.data, "path"), (cfg.checkpoint, "resume_from")):
+        value = getattr(obj, key)
+        if value and not os.path.isabs(value):
+            p = Path(value)
+            setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
+
+
+def resolve_config(
+    recipe: Recipe, mode: Mode, overrides: list[str] | tuple[str, ...] = (), check_files: bool = False
+) -> JobConfig:
+    """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key)."""
+    cfg = recipe.job_config(mode)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        apply_dict(cfg, {section: {key: value}}, "--set")
+    _resolve_paths(cfg)
+    cfg = validate(cfg, check_files=check_files)
+    return cfg

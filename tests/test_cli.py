@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from core.config import JOB_MARKER
-from recipes import launcher, modes, registry
+from recipes import launcher, modes, paths, registry
 from recipes.cli import main
 from tests.dist_utils import TINY_JOB
 
@@ -243,7 +243,7 @@ def test_one_torchrun_command_builder():
         "j.json",
     ]
     assert modes.PROXY.env(1, OMP_NUM_THREADS="1")["OMP_NUM_THREADS"] == "1"
-    assert launcher.results_root() == launcher.project_root() / "results"
+    assert paths.results_root() == paths.project_root() / "results"
 
 
 def _record(rid, tps, losses, mode="proxy"):
@@ -456,7 +456,7 @@ def test_rows_after_a_failed_row_get_a_launch_of_their_own(tmp_path, monkeypatch
         "llama3_8b/loss_convergence/1d_fsdp8",
     ):
         r = registry.get(rid)
-        cfg = launcher.resolve_config(r, "proxy", [], check_files=False)
+        cfg = registry.resolve_config(r, "proxy", [], check_files=False)
         run_dir = tmp_path / r.fname
         run_dir.mkdir()
         cfg.job.output_dir = str(run_dir)

@@ -21,7 +21,7 @@ from core.dryrun import fake_step as F
 from core.dryrun import memory as M
 from core.dryrun import record as R
 from core.validate import validate
-from recipes import launcher, registry
+from recipes import registry
 from recipes.report import dryrun_table as T
 
 pytestmark = pytest.mark.dryrun
@@ -30,7 +30,7 @@ TOL_PCT = 3.0  # accounting vs tracker on the same step
 
 
 def paper_cfg(rid: str):
-    return launcher.resolve_config(registry.get(rid), "dry-run")
+    return registry.resolve_config(registry.get(rid), "dry-run")
 
 
 def small_cfg(*overrides: str, world: int):
@@ -104,7 +104,7 @@ def test_405b_table3_row_composes_at_512_ranks():
 
 def test_every_row_accounting_adds_up():
     for r in registry.all_recipes():
-        rec = R.dry_run(launcher.resolve_config(r, "dry-run"), fake=False)
+        rec = R.dry_run(registry.resolve_config(r, "dry-run"), fake=False)
         assert rec["composes"] is None and rec["world_size"] == r.gpus
         assert parts_sum(rec) == pytest.approx(rec["estimated_peak_gib"], abs=0.02), r.id
         assert min(rec["breakdown"].values()) >= 0, r.id
@@ -199,7 +199,7 @@ def test_every_real_row_fits_its_gpu():
     """Every row's paper configuration fits the paper's 95 GiB GPUs (loss-convergence rows
     included: their AC mode, where the paper is silent, is chosen to fit)."""
     for r in registry.all_recipes():
-        est = M.estimate_memory(launcher.resolve_config(r, "dry-run"))
+        est = M.estimate_memory(registry.resolve_config(r, "dry-run"))
         assert est["allocated_peak_gib"] <= M.PAPER_GPU_GIB, (r.id, est["allocated_peak_gib"])
 
 
@@ -327,7 +327,7 @@ def _total(tracker, kind: str) -> int:
 
 # ------------------------------------------------------------------------------- tables
 def test_write_dry_run_table(tmp_path):
-    records = [R.dry_run(launcher.resolve_config(r, "dry-run"), fake=False) for r in registry.all_recipes()]
+    records = [R.dry_run(registry.resolve_config(r, "dry-run"), fake=False) for r in registry.all_recipes()]
     csv_path, md_path = T.write_dry_run_table(records, tmp_path)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))

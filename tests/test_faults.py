@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import filesystem
 
+from core import run_folder
 from core.checkpoint.files import load_model_weights
 from core.checkpoint.folder import CheckpointError, complete_steps
 from core.config import ConfigError, load_config
@@ -157,12 +158,12 @@ def test_steps_not_above_the_resume_step(two_steps, tmp_path):
     assert digest(tmp_path / "checkpoint") == before and not (tmp_path / "result.json").exists()
     cfg = validate(load_config(None, [*TINY_JOB, *CKPT, "--training.steps=2"]), 1, check_files=False)
     with pytest.raises(ConfigError, match=r"training\.steps: 2 is not above the step 2"):
-        launcher.check_resume_step(cfg, tmp_path)
+        run_folder.check_resume(cfg, tmp_path)
     cfg.checkpoint.resume_from = str(src / "checkpoint")  # another run's: its latest, step 2
     with pytest.raises(ConfigError, match=r"training\.steps: 2 is not above the step 2 .*step-2"):
-        launcher.check_resume_step(cfg, tmp_path / "fresh")
+        run_folder.check_resume(cfg, tmp_path / "fresh")
     cfg.checkpoint.load_step = 1
-    launcher.check_resume_step(cfg, tmp_path / "fresh")  # from step 1: 2 steps is one more
+    run_folder.check_resume(cfg, tmp_path / "fresh")  # from step 1: 2 steps is one more
 
 
 def test_resume_step_refused_before_spawn(two_steps, tmp_path, no_spawn):

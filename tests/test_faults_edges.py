@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from core import run_lock
+from core import run_folder
 from recipes import launcher, output
 from recipes.plan.layouts import plan
 from tests import fault_utils
@@ -233,7 +233,7 @@ def test_checkpoint_of_another_model_shape_refused_before_spawn(tmp_path, no_spa
     assert (
         "titan.json" in res.output and "another model shape" in res.output and "n_layers 32 (checkpoint)" in res.output
     )
-    assert digest(tmp_path / "run") == before and not (tmp_path / "run" / run_lock.LOCK).exists()
+    assert digest(tmp_path / "run") == before and not (tmp_path / "run" / run_folder.LOCK).exists()
 
 
 # ------------------------------------------------------------------- resume: what it says
@@ -311,7 +311,7 @@ def test_a_signal_stops_the_run_says_how_to_resume_and_keeps_the_log(tmp_path, s
     last = said.strip().splitlines()[-1]
     assert last.startswith(f"stopped by {sig.name}: {ROW} in {out}") and "last complete checkpoint step 2" in last
     assert f"resume with: run-recipe run {ROW} --mode proxy --out {out}" in last
-    assert not (out / run_lock.LOCK).exists()
+    assert not (out / run_folder.LOCK).exists()
     children = subprocess.run(["pgrep", "-f", f"--config {out}/job.json"], capture_output=True, text=True)
     assert not children.stdout.strip(), "a rank outlived the launcher"
     log = (out / "train.log").read_bytes()
@@ -347,4 +347,4 @@ def test_a_failed_rank_is_the_last_line(tmp_path):
     last = said.strip().splitlines()[-1]
     assert f"{ROW}: error: " in last and "malformed document" in last and "c4-train.00000-of-00001.json.gz:3" in last
     assert f"[log: {out / 'train.log'}]" in last
-    assert not (out / run_lock.LOCK).exists()
+    assert not (out / run_folder.LOCK).exists()

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from core import run_lock
-from recipes import launcher, registry
+from core import run_folder
+from recipes import registry
 from tests import fault_utils
 from tests.dist_utils import ROOT
 from tests.fault_utils import ROW, digest, invoke
@@ -32,28 +32,28 @@ def test_second_run_on_a_locked_folder_is_refused(tmp_path, no_spawn):
     out = tmp_path / "run"
     out.mkdir()
     (out / "job.json").write_text('{"the": "first run"}')
-    with run_lock.run_dir_lock(out):
+    with run_folder.lock(out):
         before = digest(out)
         res = invoke("run", ROW, "--out", str(out))
         assert res.exit_code == 2
         assert f"in use by another run (pid {os.getpid()} on host" in res.output and "use another --out" in res.output
         assert digest(out) == before
-    assert not (out / run_lock.LOCK).exists()  # released
+    assert not (out / run_folder.LOCK).exists()  # released
 
 
 def test_stale_lock_is_reported_and_taken_over(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / run_lock.LOCK).write_text(
-        json.dumps({"host": run_lock.socket.gethostname(), "pid": dead.pid, "started": "2026-01-01T00:00:00+00:00"})
+    (tmp_path / run_folder.LOCK).write_text(
+        json.dumps({"host": run_folder.socket.gethostname(), "pid": dead.pid, "started": "2026-01-01T00:00:00+00:00"})
     )
-    with run_lock.run_dir_lock(tmp_path) as lock:
+    with run_folder.lock(tmp_path) as lock:
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert f"stale lock of pid {dead.pid}" in capsys.readouterr().err
-    (tmp_path / run_lock.LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
+    (tmp_path / run_folder.LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
     with (
-        pytest.raises(run_lock.RunDirBusy, match=r"pid 1 on host elsewhere.*remove the lock file"),
-        run_lock.run_dir_lock(tmp_path),
+        pytest.raises(run_folder.RunDirBusy, match=r"pid 1 on host elsewhere.*remove the lock file"),
+        run_folder.lock(tmp_path),
     ):
         pass
 
@@ -71,7 +71,7 @@ def test_concurrent_record_writers_never_tear(tmp_path):
     def write(i):
         try:
             for _ in range(20):
-                launcher.copy_record(sources[i], tmp_path / "records", "proxy", recipe)
+                run_folder.copy_record(sources[i], tmp_path / "records", "proxy", recipe.fname)
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -227,6 +227,6 @@ def test_two_runs_on_one_folder(tmp_path):
         finally:
             if first.poll() is None:
                 first.kill()
-    assert (out / "job.json").read_bytes() == job and not (out / run_lock.LOCK).exists()
+    assert (out / "job.json").read_bytes() == job and not (out / run_folder.LOCK).exists()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))

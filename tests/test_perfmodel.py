@@ -13,7 +13,7 @@ import pytest
 
 from core.dryrun import gpuspec as G
 from core.dryrun.runtime import predict
-from recipes import launcher, registry
+from recipes import registry
 
 pytestmark = pytest.mark.perfmodel
 
@@ -23,7 +23,7 @@ NO_MEM = {"allocated_peak_gib": 0.0}  # memory is not under test here: skip the 
 
 @functools.cache
 def cfg_of(rid: str):
-    return launcher.resolve_config(registry.get(rid), "dry-run")
+    return registry.resolve_config(registry.get(rid), "dry-run")
 
 
 def tps(rid: str, spec=PAPER) -> float:
@@ -65,7 +65,7 @@ def fp8_as_bf16(base: G.GPUSpec) -> G.GPUSpec:
 
 @functools.cache
 def cfg_with(rid: str, *overrides: str):
-    return launcher.resolve_config(registry.get(rid), "dry-run", list(overrides))
+    return registry.resolve_config(registry.get(rid), "dry-run", list(overrides))
 
 
 def test_fp8_peak_equal_to_bf16_removes_float8_compute_gain():

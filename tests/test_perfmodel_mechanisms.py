@@ -16,7 +16,7 @@ import pytest
 from core.dryrun import gpuspec as G
 from core.dryrun.gemm import NoGemmRate, gemm_seconds
 from core.dryrun.runtime import predict
-from recipes import launcher, registry
+from recipes import registry
 
 pytestmark = pytest.mark.perfmodel
 
@@ -30,7 +30,7 @@ NO_FP8_GATHER = ("float8.enable_fsdp_float8_all_gather=false", "float8.precomput
 
 @functools.cache
 def cfg_with(rid: str, *overrides: str):
-    return launcher.resolve_config(registry.get(rid), "dry-run", list(overrides))
+    return registry.resolve_config(registry.get(rid), "dry-run", list(overrides))
 
 
 def rate(spec, m, n, k, kind) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from recipes import launcher, modes, multinode, registry
+from recipes import launcher, modes, multinode, paths, registry
 from recipes.cli import main
 from recipes.report import benchmarks as benchmark_report
 from recipes.report import readme
@@ -80,7 +80,7 @@ def test_docs_sbatch_script_is_what_slurm_writes(tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
     script = (out / "sbatch.sh").read_text()
-    root = str(launcher.project_root())
+    root = str(paths.project_root())
     generic = (
         script.replace(str(out.resolve()), "<run dir>")
         .replace(launcher.torchrun_exe(), "<checkout>/.venv/bin/torchrun")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from core import hardware, metrics, run_lock
+from core import hardware, metrics, run_folder
 from core.config import ConfigError, load_config
 from core.result import _throughput
 from recipes import launcher, multinode, registry
@@ -58,7 +58,7 @@ def test_real_mode_needs_a_gpu_per_local_rank(monkeypatch):
 # ------------------------------------------------------------------------ the sbatch script
 def _sbatch(tmp_path) -> str:
     recipe = registry.get(MULTI)
-    cfg = launcher.resolve_config(recipe, "real")
+    cfg = registry.resolve_config(recipe, "real")
     return multinode.sbatch_script(recipe, cfg, tmp_path, nnodes=16, nproc=8, records_dir=None)
 
 
@@ -69,7 +69,7 @@ def test_sbatch_cannot_hang_on_a_dead_node_nor_run_on_cpus(tmp_path):
     assert f"--kill-on-bad-exit=1 --wait={multinode.SRUN_WAIT_S}" in lines[srun]
     check = next(i for i, line in enumerate(lines) if "torch.cuda.is_available()" in line)
     assert check < srun and f"# Python environment: {sys.prefix}" in script
-    assert f"export {run_lock.RUN_LOCK_ENV}=1" in script
+    assert f"export {run_folder.RUN_LOCK_ENV}=1" in script
     # this machine's torch has no CUDA: the job's check stops it, saying why, exit 3
     proc = subprocess.run(["bash", "-c", lines[check]], capture_output=True, text=True, timeout=120)
     if not torch.cuda.is_available():
@@ -86,17 +86,17 @@ def test_slurm_warns_when_the_run_folder_is_node_local(tmp_path):
 def test_the_job_takes_the_run_folder_lock(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / run_lock.LOCK).write_text(
+    (out / run_folder.LOCK).write_text(
         json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "2026-11-25T00:00:00+00:00"})
     )
-    proc = _trainer(f"--job.output_dir={out}", env={run_lock.RUN_LOCK_ENV: "1"})
+    proc = _trainer(f"--job.output_dir={out}", env={run_folder.RUN_LOCK_ENV: "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"in use by another run (pid {os.getpid()}" in proc.stderr
     assert not (out / "result.json").exists()
-    (out / run_lock.LOCK).unlink()
-    proc = _trainer(f"--job.output_dir={out}", env={run_lock.RUN_LOCK_ENV: "1"})
+    (out / run_folder.LOCK).unlink()
+    proc = _trainer(f"--job.output_dir={out}", env={run_folder.RUN_LOCK_ENV: "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (out / "result.json").is_file() and not (out / run_lock.LOCK).exists()  # released at the end
+    assert (out / "result.json").is_file() and not (out / run_folder.LOCK).exists()  # released at the end
 
 
 # ----------------------------------------------------------------------------- MFU, cuBLAS

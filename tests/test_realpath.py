@@ -22,7 +22,7 @@ from core.data.datasets import TokenWindowLoader, data_sharding, synthetic_docum
 from core.parallel.mesh import ParallelDims, mesh_groups
 from core.train import Trainer
 from core.validate import validate
-from recipes import cluster_env, launcher, modes, multinode, registry
+from recipes import cluster_env, launcher, modes, multinode, paths, registry
 from recipes.studies import preflight as P
 from tests.dist_utils import TINY_JOB
 
@@ -210,7 +210,7 @@ def test_per_rank_sharding_splits_a_c4_layout_corpus_by_files():
 # ------------------------------------------------------------------------ defect 4: cluster
 def _sbatch(tmp_path) -> str:
     recipe = registry.get("llama3_8b/table1/128gpu_fsdp")
-    cfg = launcher.resolve_config(recipe, "real")
+    cfg = registry.resolve_config(recipe, "real")
     return multinode.sbatch_script(recipe, cfg, tmp_path, nnodes=16, nproc=8, records_dir=None)
 
 
@@ -220,7 +220,7 @@ def test_sbatch_binds_cpus_and_keeps_caches_node_local(tmp_path):
     assert '--cpus-per-task="$cpus_per_node"' in srun and "--cpu-bind=none" in srun
     assert "$numa_flag" in script and "--numa-binding=" in script
     assert "export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" in script
-    assert str(launcher.project_root() / ".cache") not in script
+    assert str(paths.project_root() / ".cache") not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     # the environment block as the node's shell evaluates it
     block = (

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from core.dryrun.gpuspec import GEMM_KINDS
+from recipes import paths
 from recipes.options import out_file_option
 
 EXIT_CANNOT = 3
@@ -76,7 +77,6 @@ def gpu_spec(measure, out, device, kinds, base, name, threads, quick):
     a GPU spec that --gpu FILE accepts."""
     from core.dryrun.gpuspec import SpecError
     from core.fileio import atomic_write
-    from recipes import launcher
     from recipes.gpu_spec.device import CannotMeasure
 
     if threads is not None and threads < 1:
@@ -89,7 +89,7 @@ def gpu_spec(measure, out, device, kinds, base, name, threads, quick):
         sys.exit(EXIT_CANNOT)
     except SpecError as e:
         raise click.BadParameter(str(e), param_hint="--base") from None
-    path = Path(out) if out else launcher.default_runs_dir() / "gpu_spec" / f"{spec.name}.toml"
+    path = Path(out) if out else paths.default_runs_dir() / "gpu_spec" / f"{spec.name}.toml"
     atomic_write(path, text)
     click.echo(
         f"wrote {path} ({spec.name}) in {time.perf_counter() - t0:.0f} s: bf16 peak "

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.fileio import atomic_copy, atomic_path
-from recipes import launcher
+from recipes import paths
 from recipes.peer_bench.patches import TORCHTITAN_VERSION, PatchError, apply_all
 
 TRITON_VERSION = "3.9.0"  # torchtitan imports triton at start-up (it never runs it on CPU)
@@ -34,7 +34,7 @@ class IndexUnreachable(SetupError):
 
 
 def peer_root() -> Path:
-    return launcher.project_root() / ".cache" / "peer_torchtitan"
+    return paths.project_root() / ".cache" / "peer_torchtitan"
 
 
 def default_venv() -> Path:
@@ -157,23 +157,23 @@ def build_corpus(say: Callable[[str], None]) -> Path:
 
     out = corpus_file()
     if out.is_file():
-        say(f"corpus present: {launcher.relative(out)}")
+        say(f"corpus present: {paths.relative(out)}")
         return out
     en = build_offline_corpus() / "en"
     with atomic_path(out) as tmp, open(tmp, "wb") as f:
         for name in corpus_shard_names("train"):
             with gzip.open(en / name, "rb") as shard:
                 f.write(shard.read())
-    say(f"corpus built: {launcher.relative(out)} from {launcher.relative(en)} (train split)")
+    say(f"corpus built: {paths.relative(out)} from {paths.relative(en)} (train split)")
     return out
 
 
 def build_tokenizer(venv: Path, say: Callable[[str], None]) -> Path:
     out = tokenizer_dir()
     if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
-        say(f"tokenizer present: {launcher.relative(out)}")
+        say(f"tokenizer present: {paths.relative(out)}")
         return out
-    say(f"training the tokenizer: {launcher.relative(out)}")
+    say(f"training the tokenizer: {paths.relative(out)}")
     with tempfile.TemporaryDirectory() as staging:  # the peer's interpreter writes there; we publish
         _run([str(venv_python(venv)), str(TOKENIZER_SCRIPT), str(corpus_file()), staging], "tokenizer build")
         for name in ("tokenizer_config.json", "tokenizer.json"):  # tokenizer.json last: it marks "present"

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core.fileio import atomic_write
-from recipes import launcher, modes
+from recipes import launcher, modes, paths
 from recipes.peer_bench import environment
 from recipes.peer_bench.patches import TORCHTITAN_VERSION
 from recipes.report.results import write_csv
@@ -174,7 +174,7 @@ def utc_now() -> str:
 
 
 def csv_path() -> Path:
-    return launcher.results_root() / "peer_torchtitan.csv"
+    return paths.results_root() / "peer_torchtitan.csv"
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:

@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from core.fileio import atomic_write
 from recipes import options, registry
-from recipes.launcher import project_root, results_root
+from recipes.paths import project_root, results_root
 from recipes.report.table_data import load_records
 
 NOT_RECORDED = "not recorded"

@@ -12,13 +12,14 @@ import click
 import tomllib
 from tabulate import tabulate
 
+from core import run_folder
 from core.config import JobConfig, apply_dict
 from core.dryrun import calibrate as calibrate_mod
 from core.dryrun.accuracy import text as band_text
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 from core.dryrun.record import predicted_record
 from core.fileio import atomic_path, atomic_write, atomic_write_json
-from recipes import launcher, registry
+from recipes import launcher, paths, registry
 from recipes.options import out_dir_option
 from recipes.report.table_data import comparisons
 from recipes.schema import TABLES
@@ -316,11 +317,11 @@ def _run_all(records_dir: Path, fake: bool, gpu: str | None) -> None:
     """Every row's dry-run as `run-recipe run --mode dry-run` makes it: a run folder with job.json
     and result.json (launcher.run_dry), copied atomically into <records_dir>/dry-run/."""
     for r in registry.all_recipes():
-        cfg = launcher.resolve_config(r, "dry-run")
-        run_dir = launcher.make_run_dir(r, None, several=False)
-        launcher.write_job(cfg, run_dir)
+        cfg = registry.resolve_config(r, "dry-run")
+        run_dir = run_folder.make(r.fname, None, False, paths.default_runs_dir())
+        run_folder.write_job(cfg, run_dir)
         rec = launcher.run_dry(cfg, run_dir, gpu, fake=fake)
-        launcher.copy_record(run_dir / "result.json", records_dir, "dry-run", r)
+        run_folder.copy_record(run_dir / "result.json", records_dir, "dry-run", r.fname)
         click.echo(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, {rec['dry_run_s']} s")
 
 
@@ -335,7 +336,7 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
         cfg = (
             apply_dict(JobConfig(), rec["config"], str(path))
             if rec.get("config")
-            else launcher.resolve_config(registry.get(rec["recipe"]), "dry-run")
+            else registry.resolve_config(registry.get(rec["recipe"]), "dry-run")
         )
         rec["predicted"] = predicted_record(cfg, **gpu_kw)
         atomic_write_json(path, rec, default=str)
@@ -371,8 +372,8 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
 )
 def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, validate):
     """results/dry_run.csv and .md from the dry-run records (--all first runs every row's dry-run)."""
-    records_dir = Path(records_dir) if records_dir else launcher.default_records_dir()
-    out_dir = Path(out_dir) if out_dir else launcher.results_root()
+    records_dir = Path(records_dir) if records_dir else paths.default_records_dir()
+    out_dir = Path(out_dir) if out_dir else paths.results_root()
     if calibrate:
         _calibrate()
         return

@@ -22,7 +22,7 @@ from tabulate import tabulate
 from core.dryrun import accuracy, calibrate
 from core.dryrun.gpuspec import DEFAULT_GPU
 from core.fileio import atomic_write
-from recipes import launcher, registry
+from recipes import registry
 
 CSV_COLUMNS = (
     "source",
@@ -79,7 +79,7 @@ def figures() -> list[Figure]:
         )
     fitted = set(calibrate.fitted_figures())
     for f in out:
-        f.cfg = launcher.resolve_config(registry.get(f.row), "dry-run", list(f.overrides))
+        f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", list(f.overrides))
         # A fit on a figure fits every figure of the same configuration on the same GPU.
         f.fitted = any(g.id in fitted and _same_run(f, g) for g in out)
     return out
@@ -210,7 +210,7 @@ def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
     """perf_validation.csv and .md in out_dir; when that is the project's results/, also the error
     band the model states (core/dryrun/accuracy.toml): a validation written elsewhere changes nothing
     the package ships."""
-    from recipes.launcher import results_root
+    from recipes.paths import results_root
     from recipes.report.results import write_csv
 
     rows = csv_rows(figs)

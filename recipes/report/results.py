@@ -27,7 +27,7 @@ import tomllib
 
 from core.fileio import atomic_path, atomic_write
 from recipes import registry
-from recipes.launcher import relative
+from recipes.paths import relative
 from recipes.report import figures, loss_curves
 from recipes.report.table_data import load_records, predicted_part, table_frame
 from recipes.schema import TABLES, Recipe

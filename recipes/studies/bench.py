@@ -19,7 +19,7 @@ from core.config import load_config
 from core.reference import reference_run
 from core.train import Trainer
 from core.validate import validate
-from recipes import launcher, modes
+from recipes import modes, paths
 from recipes.report.results import read_csv, write_csv
 from recipes.studies import checkpoint_bench, toggles_bench
 from recipes.studies.common import one_rank_group, synthetic_job
@@ -83,7 +83,7 @@ def fsdp_state_bytes(worlds=(1, 2, 4), flavor: str = "debug") -> dict[int, int]:
 def write_rows(rows: list[dict], path: Path | None = None) -> None:
     """Replace the rows this run measured in results/benchmarks.csv, keep the others (written by
     other benchmarks)."""
-    path = path or launcher.results_root() / "benchmarks.csv"
+    path = path or paths.results_root() / "benchmarks.csv"
     names = {r["benchmark"] for r in rows}
     kept = [r for r in read_csv(path) if r["benchmark"] not in names]
     write_csv(path, kept + rows, COLUMNS)
@@ -143,7 +143,7 @@ def bench(quick: bool) -> None:
         click.echo(f"[bench] {extra.__doc__.splitlines()[0] if extra.__doc__ else extra.__name__} ...")
         rows += extra(quick=quick)
     write_rows(rows)
-    click.echo(f"[bench] wrote {launcher.results_root() / 'benchmarks.csv'}")
+    click.echo(f"[bench] wrote {paths.results_root() / 'benchmarks.csv'}")
 
 
 def _extra_benchmarks():

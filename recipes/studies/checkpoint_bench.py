@@ -30,7 +30,7 @@ import click
 from core.config import load_config
 from core.train import Trainer
 from core.validate import validate
-from recipes import launcher
+from recipes import paths
 from recipes.options import out_file_option
 from recipes.report.results import write_csv
 from recipes.studies.common import one_rank_group, synthetic_job
@@ -87,7 +87,7 @@ def measure(
 
 
 def default_csv() -> Path:
-    return launcher.results_root() / "checkpoint_overhead.csv"
+    return paths.results_root() / "checkpoint_overhead.csv"
 
 
 def run_checkpoint_bench(

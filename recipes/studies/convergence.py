@@ -24,8 +24,9 @@ from pathlib import Path
 
 import click
 
+from core import run_folder
 from core.fileio import atomic_write_json
-from recipes import launcher, modes, options
+from recipes import launcher, modes, options, paths, registry
 from recipes.report import results, table_data
 from recipes.report.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
@@ -107,11 +108,11 @@ def run_row(
     emptied first. Returns (record, wall seconds of all attempts). Raises RuntimeError with the
     log's tail on failure."""
     overrides = list(overrides) + (RESUME_OVERRIDES if resumable else [])
-    cfg = launcher.resolve_config(recipe, "proxy", overrides, check_files=True)
+    cfg = registry.resolve_config(recipe, "proxy", overrides, check_files=True)
     if resumable and run_dir is not None and Path(run_dir).exists():
         shutil.rmtree(run_dir)  # a fresh run: never resume an older run's checkpoint
-    run_dir = launcher.make_run_dir(recipe, run_dir, several=False)
-    job = launcher.write_job(cfg, run_dir)
+    run_dir = run_folder.make(recipe.fname, run_dir, False, paths.default_runs_dir())
+    job = run_folder.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
     cmd = modes.PROXY.command(world, [job])
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
@@ -139,7 +140,7 @@ def run_row(
     if record.get("start_step"):
         record = _stitch(run_dir, record, attempt)
         atomic_write_json(result, record)
-    launcher.copy_record(result, records_dir, "proxy", recipe)
+    run_folder.copy_record(result, records_dir, "proxy", recipe.fname)
     return record, wall
 
 
@@ -168,7 +169,7 @@ def golden_payload(records: dict[str, dict]) -> dict:
 
 
 def golden_path(results_dir: Path | None = None) -> Path:
-    return (results_dir or launcher.results_root()) / "golden" / "loss_convergence.json"
+    return (results_dir or paths.results_root()) / "golden" / "loss_convergence.json"
 
 
 # ------------------------------------------------------------------------------------ command
@@ -195,8 +196,8 @@ def golden_path(results_dir: Path | None = None) -> Path:
 )
 def convergence(steps, only, records_dir, out_dir, golden):
     """Run the four loss-convergence rows as proxies, then plot and check them against 1D."""
-    records_root = Path(records_dir) if records_dir else launcher.default_records_dir()
-    out = Path(out_dir) if out_dir else launcher.results_root()
+    records_root = Path(records_dir) if records_dir else paths.default_records_dir()
+    out = Path(out_dir) if out_dir else paths.results_root()
     chosen = rows()
     if only:
         wanted = set(only)
@@ -213,7 +214,7 @@ def convergence(steps, only, records_dir, out_dir, golden):
             _, walls[r.id] = run_row(
                 r,
                 overrides,
-                run_dir=launcher.default_runs_dir() / "convergence" / r.fname,
+                run_dir=paths.default_runs_dir() / "convergence" / r.fname,
                 records_dir=records_root,
                 resumable=True,
             )

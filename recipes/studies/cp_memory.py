@@ -27,7 +27,7 @@ from core.config import load_config
 from core.fileio import atomic_write_json
 from core.train import Trainer, init_distributed
 from core.validate import validate
-from recipes import launcher, modes, options
+from recipes import launcher, modes, options, paths
 from recipes.studies.common import synthetic_job
 
 WORKER = "recipes.studies.cp_memory"  # each rank of a measurement runs this module's __main__
@@ -83,7 +83,7 @@ def cp_memory(cps, seq, flavor, out, worker, overrides):
     """Peak activation memory per rank of a long-sequence proxy at CP 1, 2, 4 (MemTracker)."""
     if worker:
         raise SystemExit(_worker(worker, list(overrides)))
-    out = Path(out) if out else launcher.results_root() / "cp_activation_memory.json"
+    out = Path(out) if out else paths.results_root() / "cp_activation_memory.json"
     rows, prev = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for cp in (int(c) for c in cps.split(",")):

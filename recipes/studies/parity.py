@@ -36,7 +36,7 @@ from tabulate import tabulate
 from core.config import load_config
 from core.reference import reference_run
 from core.validate import validate
-from recipes import launcher, modes
+from recipes import launcher, modes, paths
 from recipes.options import out_dir_option
 from recipes.studies.parity_layouts import BASE, TOLERANCE, Layout, select
 from recipes.studies.parity_tables import HEADERS, write_results
@@ -171,7 +171,7 @@ def parity(layouts, dtype, list_only, out, results_dir, grouped):
             )
         )
         return
-    out_dir = Path(out) if out else launcher.default_runs_dir() / "parity" / dtype
+    out_dir = Path(out) if out else paths.default_runs_dir() / "parity" / dtype
     rows = []
     if grouped:
         click.echo(f"[parity] {len(chosen)} layouts, one torchrun per world size ...", err=True)
@@ -210,7 +210,7 @@ def parity(layouts, dtype, list_only, out, results_dir, grouped):
     ]
     click.echo(tabulate(table, headers=HEADERS))
     if rows:
-        write_results(rows, Path(results_dir) if results_dir else launcher.results_root())
+        write_results(rows, Path(results_dir) if results_dir else paths.results_root())
     if not all(r["passed"] for r in rows):
         raise SystemExit(1)
 

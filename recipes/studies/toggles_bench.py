@@ -32,7 +32,7 @@ import torch
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from recipes import launcher
+from recipes import paths
 from recipes.report.results import write_csv
 from recipes.studies.common import one_rank_group
 from recipes.studies.toggles_float8 import float8_deviation, float8_fsdp
@@ -260,7 +260,7 @@ def _float8_table(rows: list[dict]) -> str:
 
 
 def write_results(m: dict, results_dir: Path | None = None) -> None:
-    results_dir = results_dir or launcher.results_root()
+    results_dir = results_dir or paths.results_root()
     results_dir.mkdir(parents=True, exist_ok=True)
     write_csv(results_dir / "toggles.csv", csv_rows(m), CSV_COLUMNS)
     (results_dir / "toggles.md").write_text(markdown(m))

@@ -19,7 +19,7 @@ from core.config import Compile
 from core.models.llama3 import FLAVORS, create_model
 from core.parallel.parallelize import Toggles
 from core.toggles.compile import apply_compile
-from recipes import launcher, modes
+from recipes import modes, paths
 
 PROBE_MODULE = "recipes.studies.toggles_probe"  # run as `python -m` for a cold-compile probe
 
@@ -85,7 +85,7 @@ def cold_compile(flavor: str = "debug", seq_len: int = 256, batch: int = 8) -> d
                 str(batch),
             ]
             proc = subprocess.run(
-                cmd, check=False, capture_output=True, text=True, env=env, cwd=launcher.project_root(), timeout=1800
+                cmd, check=False, capture_output=True, text=True, env=env, cwd=paths.project_root(), timeout=1800
             )
             lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
             if proc.returncode or not lines:
