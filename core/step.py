@@ -21,7 +21,8 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def pipeline_loss(cfg: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The pipeline schedule's loss of one microbatch: scaled like the non-pipelined step's."""
+    """The pipeline schedule's loss of one microbatch: scaled like the non-pipelined step's (the
+    schedule divides it by its microbatch count, core/parallel/pipeline.py)."""
     accum = cfg.training.grad_accum_steps
     return lambda logits, labels: cross_entropy_loss(logits, labels) / accum
 
@@ -57,11 +58,18 @@ class TrainStep:
         return loss.detach()
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The schedule's step; the loss of this rank's last stage (zero on the other ranks)."""
+        """The schedule's step; the loss of this rank's last stage (zero on the other ranks). The
+        last stage keeps no microbatch's logits (`return_outputs=False`): the losses are all the
+        step reads, and at 405B every microbatch's logits would be ~16 GiB on the fullest rank."""
         losses: list[torch.Tensor] = []
         has_first = any(s.is_first for s in self.stages)
         has_last = any(s.is_last for s in self.stages)
         with loss_parallel_context(self.cfg):
-            self.pp_schedule.step(*([inputs] if has_first else []), target=labels if has_last else None, losses=losses)
+            self.pp_schedule.step(
+                *([inputs] if has_first else []),
+                target=labels if has_last else None,
+                losses=losses,
+                return_outputs=False,
+            )
         loss = torch.stack(losses).sum() if has_last else torch.zeros((), device=self.device)
-        return loss.detach()  # per-microbatch losses were already divided by accum
+        return loss.detach()  # each microbatch's loss was divided by the microbatches and accum

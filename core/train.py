@@ -187,7 +187,6 @@ class Trainer:
                 micro_loss = micro_loss.full_tensor()
             loss += micro_loss
         if self.pp_schedule is not None:
-            loss = loss / self.model.microbatches
             # exactly one pp rank holds the last stage: summing over pp broadcasts its loss
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
         params = [p for m in self.model_parts for p in m.parameters()]

@@ -118,6 +118,14 @@ def test_layout_list_covers_every_layout_kind():
         "fsdp2_cp2",
         "fsdp2_tp2_pp2",
         "fsdp2_tp2_pp2_cp2",
+        # accumulation 2 (issue: PP divided earlier microsteps' gradients again): FSDP, TP, CP,
+        # a single-stage schedule of each kind and a multi-stage one
+        "fsdp2_accum2",
+        "tp2_accum2",
+        "cp2_accum2",
+        "pp2_gpipe_accum2",
+        "pp2_1f1b_accum2",
+        "pp2_interleaved1f1b_accum2",
     ]:
         assert required in names
     for pp in (2, 4):
@@ -126,7 +134,7 @@ def test_layout_list_covers_every_layout_kind():
     for layout in PL.LAYOUTS:  # every layout is a valid config at its world size, global batch fixed
         cfg = load_config(None, layout.overrides("fp32"))
         validate(cfg, layout.world_size, check_files=False)
-        assert cfg.training.local_batch_size * layout.dp == PL.GLOBAL_BATCH
+        assert cfg.training.local_batch_size * cfg.training.grad_accum_steps * layout.dp == PL.GLOBAL_BATCH
     assert PL.BY_NAME["fsdp2_tp2_pp2_cp2"].world_size == 16
 
 

@@ -10,9 +10,11 @@ V-shaped schedules (ZBVZeroBubble, DualPipeV), as a V (rank r holds r and 2 pp -
 the library's own stage-to-rank mapping expects. That arithmetic (split, placement, microbatches)
 lives in `core.parallel.stages`, without torch, where the config's checks and the dry-run read it.
 
-Gradient scale: the loss function returns each microbatch's mean loss (divided by the gradient
-accumulation steps) and the schedule divides the accumulated gradients by the microbatch count
-(`scale_grads=True`), so the gradients equal those of one pass over the whole local batch.
+Gradient scale: each microbatch's loss is its mean loss divided by the microbatch count and by
+the gradient accumulation steps (as torchtitan does), and the schedule is built with
+`scale_grads=False`: torch 2.13's `scale_grads=True` divides every accumulated `.grad` after each
+`step()`, so under accumulation the earlier microsteps would be divided again. The gradients then
+equal those of one pass over the whole batch of the optimizer step, under every schedule.
 
 Shapes (`parallelism.pp_static_shapes`): by default torch 2.13 infers what crosses each stage
 boundary at the first step, running a forward and backward of every stage in pipeline order (each
@@ -197,12 +199,16 @@ def build_pipeline(
         stages.append(_pipeline_stage(part, sid, n_stages, device, pp_mesh.get_group(), examples))
 
     micro = pp_microbatches(p, n_layers)
+
+    def microbatch_loss(logits, labels):  # a share of the step's loss: gradients need no rescaling
+        return loss_fn(logits, labels) / micro
+
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise ConfigError(f"parallelism.pp_stages_per_rank: {p.pp_schedule} takes 1 stage per rank")
-        schedule = cls(stages[0], n_microbatches=micro, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages[0], n_microbatches=micro, loss_fn=microbatch_loss, scale_grads=False)
     else:
-        schedule = cls(stages, n_microbatches=micro, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages, n_microbatches=micro, loss_fn=microbatch_loss, scale_grads=False)
     toggles.apply(f"pp:{p.pp_schedule}")
     if bf16_autocast:
         toggles.apply("pp_autocast_bf16")

@@ -67,6 +67,7 @@ class Layout:
     flavor: str = "tiny"
     extra: tuple[str, ...] = field(default_factory=tuple)
     tolerance: float = 0.0  # 0: TOLERANCE[dtype]; Float8 layouts carry their own (FLOAT8_TOLERANCE)
+    accum: int = 1  # gradient accumulation steps: the global batch stays GLOBAL_BATCH
 
     @property
     def dims(self) -> ParallelDims:
@@ -94,7 +95,8 @@ class Layout:
             *BASE,
             *DTYPE_OVERRIDES[dtype],
             f"--model.flavor={self.flavor}",
-            f"--training.local_batch_size={GLOBAL_BATCH // self.dp}",
+            f"--training.local_batch_size={GLOBAL_BATCH // (self.dp * self.accum)}",
+            f"--training.grad_accum_steps={self.accum}",
             f"--parallelism.dp_replicate={self.dp_replicate}",
             f"--parallelism.dp_shard={self.dp_shard}",
             f"--parallelism.tp={self.tp}",
@@ -132,6 +134,14 @@ LAYOUTS: list[Layout] = [
     Layout("fsdp2_tp2_pp2", dp_shard=2, tp=2, pp=2, flavor="tiny4", extra=("--parallelism.pp_schedule=1F1B",)),
     Layout(
         "fsdp2_tp2_pp2_cp2", dp_shard=2, tp=2, pp=2, cp=2, flavor="tiny4", extra=("--parallelism.pp_schedule=1F1B",)
+    ),
+    # Gradient accumulation: the same global batch in two microsteps per optimizer step.
+    Layout("fsdp2_accum2", dp_shard=2, accum=2),
+    Layout("tp2_accum2", tp=2, accum=2),
+    Layout("cp2_accum2", cp=2, accum=2, extra=("--parallelism.cp_rotate_method=allgather",)),
+    *(
+        Layout(f"pp2_{s.lower()}_accum2", pp=2, flavor="tiny4", accum=2, extra=(f"--parallelism.pp_schedule={s}",))
+        for s in ("GPipe", "1F1B", "Interleaved1F1B")
     ),
     # Efficiency toggles. Per-block compile must keep fp32 parity (1e-5).
     Layout("fsdp2_compile", dp_shard=2, extra=COMPILE),
