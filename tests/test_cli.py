@@ -193,7 +193,7 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
 
 def test_launch_command_and_env(monkeypatch):
     cmd = modes.RealMode().command(4, [Path("/x/job.json")])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "recipes.agent"]  # torchrun, tethered to the launcher
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["-m", "core.train", "--config", "/x/job.json"]
     proxy = modes.PROXY.command(4, [Path("/x/job.json")])  # the same options, ranks forked
@@ -219,7 +219,7 @@ def test_one_torchrun_command_builder():
     assert local == [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "recipes.agent",
         "--standalone",
         "--nnodes=1",
         "--nproc_per_node=2",
