@@ -23,6 +23,7 @@ from tabulate import tabulate
 
 from core import run_folder
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
+from core.validate import key_choices
 from recipes import hardware_check, launcher, modes, options, output, paths, registry
 from recipes.report.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
@@ -176,14 +177,19 @@ def _visible_gpus() -> int:
 @main.command("keys")
 @click.argument("pattern", required=False, default="")
 def keys_cmd(pattern):
-    """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
+    """Every config key `--set` accepts: its default, its allowed values where they are a fixed set
+    (the model flavors, the `Literal` types of core/config.py) and what it means (PATTERN filters)."""
     defaults = flatten_keys(JobConfig().to_dict())
-    rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
+    choices = key_choices()
+    rows = [
+        [k, _short(defaults.get(k)), ", ".join(choices.get(k, ())), doc]
+        for k, doc in field_docs().items()
+        if pattern in k
+    ]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
-    click.echo(
-        tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True, maxcolwidths=[None, 30, 80])
-    )
+    headers = ["key", "default", "choices", "meaning"]
+    click.echo(tabulate(rows, headers=headers, disable_numparse=True, maxcolwidths=[None, 24, 22, 64]))
 
 
 @main.command("show")
