@@ -1,9 +1,10 @@
-"""What a newcomer reads first from `run-recipe`: `keys`, every config key with its default,
-allowed values and whole meaning."""
+"""What a newcomer reads first from `run-recipe`: every command's line in `--help` whole,
+`--version`, and `keys`: every config key with its default, allowed values and whole meaning."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +12,8 @@ from click.testing import CliRunner
 from recipes.cli import main
 
 pytestmark = pytest.mark.core
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def invoke(*args):
@@ -29,6 +32,55 @@ def test_keys_lists_every_config_key_with_its_meaning():
     assert "peak learning rate" in invoke("keys", "optimizer.lr").output
     bad = invoke("keys", "no_such_key")
     assert bad.exit_code == 2 and "no config key contains" in bad.output
+
+
+def _help_lines(output: str) -> dict[str, str]:
+    """The Commands section of `--help`: command -> its line, wrapped lines joined."""
+    lines: dict[str, list[str]] = {}
+    for line in output.split("Commands:\n", 1)[1].splitlines():
+        if line[2:3].strip():
+            name, _, text = line.strip().partition(" ")
+            lines[name] = [text]
+        elif line.strip():
+            lines[name].append(line)
+    return {name: " ".join(" ".join(parts).split()) for name, parts in lines.items()}
+
+
+def test_help_shows_every_commands_line_whole():
+    from recipes.cli import EXTENSIONS
+
+    res = invoke("--help")
+    assert res.exit_code == 0, res.output
+    shown = _help_lines(res.output)
+    assert set(shown) == set(main.list_commands(None))
+    cut = [name for name, text in shown.items() if text.endswith("...")]
+    assert not cut, f"commands whose --help line is cut short: {cut}"
+    for name, cmd in main.commands.items():  # the docstring's first paragraph, every word of it
+        assert shown[name] == " ".join(cmd.help.split("\n\n")[0].split()), name
+    for name, (_, line) in EXTENSIONS.items():
+        assert shown[name] == line, name
+
+
+def test_version_is_the_distributions_else_pyprojects(monkeypatch):
+    import importlib.metadata
+
+    import tomllib
+
+    from recipes import cli
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    try:
+        installed = importlib.metadata.version(pyproject["name"])
+    except importlib.metadata.PackageNotFoundError:
+        installed = pyproject["version"]
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.output == f"run-recipe {installed}\n"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.project_version() == pyproject["version"]
 
 
 def _keys_table(output: str) -> dict[str, dict[str, str]]:
