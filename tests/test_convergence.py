@@ -90,6 +90,20 @@ def test_outputs_csv_png_and_markdown(tmp_path):
     assert f"tolerance {curves.TOLERANCE:g} nats" in md and "3 of 3 N-D layouts within tolerance" in md
 
 
+def test_check_lists_each_skipped_toggle_once_under_its_table():
+    """A toggle skipped in several rows, for one reason, is one line under the check's table
+    naming the rows (it was a wide column repeating the reason per row)."""
+    recs = _records({})
+    why = "AsyncTP needs CUDA GPUs"
+    nd = [rid for rid in IDS if rid != BASE]
+    for rid in nd[:2]:
+        recs[rid]["toggles_skipped"] = {"async_tp": why}
+    md = curves.markdown(recs, curves.check(recs))
+    assert md.count(why) == 1
+    assert f"- async_tp: {why} ({curves.column(nd[0])}, {curves.column(nd[1])})" in md
+    assert "toggles skipped" not in md
+
+
 def test_prefix_stays_inside_warmup():
     assert conv.prefix_overrides()[0] == f"training.steps={conv.PREFIX_STEPS}"
     warmup = curves.control().job_config("proxy").lr_scheduler.warmup_steps

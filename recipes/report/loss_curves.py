@@ -9,6 +9,7 @@ Read by `recipes/report/results.py` (`run-recipe results`) and by `run-recipe co
 
 and `check` compares each N-D curve with the 1D curve directly (never chained): the mean
 |difference| of the EMA-smoothed curves over the trailing window must stay within TOLERANCE.
+`with_check` adds each row's check to the loss-convergence table (COMPACT: the columns its .md shows).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import matplotlib
 import pandas as pd
 
 from recipes import registry
+from recipes.report.table_data import markdown_table
 from recipes.schema import Recipe
 
 matplotlib.use("Agg")  # files only, never a window
@@ -186,6 +188,37 @@ def check(records: dict[str, dict], tolerance: float = TOLERANCE) -> list[dict]:
     return out
 
 
+# The check's columns of loss_convergence_table.csv (after the table's own), and the few columns
+# of that table results/loss_convergence.md shows (frame column -> header); the rest stay in the CSV.
+LAYOUT, CHECK_FIGURE, VERDICT = "ours layout", "check mean |Δloss| vs 1D", "check"
+COMPACT = {
+    "row": "row",
+    LAYOUT: "layout run",
+    "ours mode": "mode",
+    "ours steps": "steps",
+    "ours final loss": "final loss",
+    CHECK_FIGURE: "mean |Δ| vs 1D, smoothed",
+    VERDICT: f"check (tolerance {TOLERANCE:g})",
+}
+
+
+def with_check(frame: pd.DataFrame, records: dict[tuple[str, str], dict]) -> pd.DataFrame:
+    """The table's frame with the layout each row's record ran and that record's check against
+    the 1D control of the same mode (`check`): its checked figure and its verdict."""
+    results: dict[tuple[str, str], dict] = {}
+    for mode in frame["ours mode"].dropna().unique():
+        of_mode = {rid: rec for (rid, m), rec in records.items() if m == mode}
+        results.update({(res["recipe"], mode): res for res in check(of_mode)})
+    layouts, figures, verdicts = [], [], []
+    for rid, mode in zip(frame["recipe"], frame["ours mode"], strict=True):
+        rec = records.get((rid, mode)) if isinstance(mode, str) else None
+        res = results.get((rid, mode), {})
+        layouts.append(record_label(rec, column(rid)) if rec else None)
+        figures.append(res.get("mean_abs_diff_smoothed"))
+        verdicts.append(None if rec is None else "control" if rid == control().id else res.get("status"))
+    return frame.assign(**{LAYOUT: layouts, CHECK_FIGURE: figures, VERDICT: verdicts})
+
+
 def spread(records: dict[str, dict]) -> dict[str, float]:
     """The control's own noise in the trailing window: std of raw - smoothed (batch-to-batch
     noise every layout shares), and how far the smoothed curve still falls across the window."""
@@ -308,6 +341,24 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
             ),
             "",
         ]
+    lines += _check_table(records, results, walls or {})
+    passed = [r for r in results if r.get("passed")]
+    lines += [
+        "",
+        (
+            f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
+            "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
+            "[loss_convergence.csv](loss_convergence.csv), golden: "
+            "[golden/loss_convergence.json](golden/loss_convergence.json)."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _check_table(records: dict[str, dict], results: list[dict], walls: dict[str, float]) -> list[str]:
+    """The check's figures per layout as a markdown table, then the toggles skipped and where."""
+    base = records[control().id]
     table = [{"layout (proxy)": record_label(base, column(control().id)), "recipe": control().id, "status": "control"}]
     for res in results:
         row = {
@@ -326,23 +377,17 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
             ),
         }
         table.append(row)
+    skipped: dict[str, list[str]] = {}  # why a toggle did not run -> the rows it did not run in
     for row in table:
-        rec = records.get(row["recipe"])
-        row["toggles skipped"] = "; ".join(f"{k}: {v}" for k, v in ((rec or {}).get("toggles_skipped") or {}).items())
-        row["train loop s"] = _fmt((walls or {}).get(row["recipe"]), ".0f")
-    lines.append(pd.DataFrame(table).fillna("").to_markdown(index=False, disable_numparse=True))
-    passed = [r for r in results if r.get("passed")]
-    lines += [
-        "",
-        (
-            f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
-            "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
-            "[loss_convergence.csv](loss_convergence.csv), golden: "
-            "[golden/loss_convergence.json](golden/loss_convergence.json)."
-        ),
-        "",
-    ]
-    return "\n".join(lines)
+        rec = records.get(row["recipe"]) or {}
+        for toggle, why in (rec.get("toggles_skipped") or {}).items():
+            skipped.setdefault(f"{toggle}: {why}", []).append(column(row["recipe"]))
+        row["train loop s"] = _fmt(walls.get(row["recipe"]), ".0f")
+    lines = [markdown_table(pd.DataFrame(table).fillna(""))]
+    if skipped:
+        lines += ["", "Toggles asked for but skipped here:", ""]
+        lines += [f"- {why} ({', '.join(names)})" for why, names in skipped.items()]
+    return lines
 
 
 def write_outputs(records: dict[str, dict], out_dir: Path) -> tuple[list[Path], str]:
