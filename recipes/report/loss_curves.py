@@ -5,7 +5,8 @@ Read by `recipes/report/results.py` (`run-recipe results`) and by `run-recipe co
 (recipes/studies/convergence.py, which runs the rows). From the records only, `write_outputs` makes
 
     results/loss_convergence.csv    step, then one loss column per row
-    results/loss_convergence.png    the four curves: smoothed (EMA) solid, raw faint
+    results/loss_convergence.png    the four curves, smoothed (EMA) and raw faint, each in its own
+                                    style; below, each N-D curve minus the control's
 
 and `check` compares each N-D curve with the 1D curve directly (never chained): the mean
 |difference| of the EMA-smoothed curves over the trailing window must stay within TOLERANCE.
@@ -27,6 +28,7 @@ from recipes.schema import Recipe
 
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # after choosing the backend
+from matplotlib.figure import Figure
 
 TABLE = "loss_convergence"
 # Smoothing: exponential moving average over ~SMOOTH_SPAN steps (pandas ewm, span); the check
@@ -236,32 +238,44 @@ def spread(records: dict[str, dict]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------ outputs
-def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
+# Each run's own line style and marker: where the curves overlap, as they should, every run still shows.
+STYLES = (("-", None), ("--", "o"), ("-.", "s"), (":", "^"))
+
+
+def _label(rec: dict, name: str, res: dict | None) -> str:
+    label = record_label(rec, name)
+    if res is None:
+        return label + "  — control"
+    if res.get("mean_abs_diff_smoothed") is not None:
+        sign = "≤" if res["passed"] else ">"
+        return label + f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} {sign} {res['tolerance']:g}"
+    return label + f"  — {res['status']}"
+
+
+def figure(records: dict[str, dict], results: list[dict]) -> Figure:
+    """Two panels sharing the step axis: every run's loss (smoothed, raw faint), and each N-D run's
+    smoothed loss minus the control's (the checked difference, its trailing window shaded). Both
+    axes span every point drawn on them."""
     df, sm = curves(records), smooth(curves(records))
     by_col = {res["column"]: res for res in results}
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    base = column(control().id)
+    fig, (ax, diff) = plt.subplots(2, 1, sharex=True, figsize=(9, 8), dpi=120, height_ratios=(3, 2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    every = max(1, len(df) // 12)
     for i, r in enumerate(rows()):
         name = column(r.id)
         if name not in df:
             continue
-        label = record_label(records[r.id], name)
-        res = by_col.get(name)
-        if res is None:
-            label += "  — control"
-        elif res.get("mean_abs_diff_smoothed") is not None:
-            label += f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} {'≤' if res['passed'] else '>'} {res['tolerance']:g}"
-        else:
-            label += f"  — {res['status']}"
-        c = colors[i % len(colors)]
-        ax.plot(df.index, df[name], color=c, alpha=0.18, linewidth=0.7)
-        ax.plot(sm.index, sm[name], color=c, linewidth=1.6, label=label)
-    if not df.empty:
-        hi = float(sm.iloc[min(len(sm) - 1, 5)].max())
-        lo = float(df.min().min())
-        ax.set_ylim(lo - 0.05 * (hi - lo), hi)
-    base = records.get(control().id) or next(iter(records.values()), {})
-    cfg = base.get("config", {})
+        style, marker = STYLES[i % len(STYLES)]
+        line = {"color": colors[i % len(colors)], "linestyle": style, "marker": marker, "markersize": 4}
+        line["markevery"] = (i * every // len(STYLES), every)  # staggered: overlapping markers stay apart
+        ax.plot(df.index, df[name], color=line["color"], alpha=0.18, linewidth=0.7)
+        width = 3.0 if name == base else 1.3  # the control widest: the runs drawn over it leave its edges
+        ax.plot(sm.index, sm[name], linewidth=width, label=_label(records[r.id], name, by_col.get(name)), **line)
+        if name != base and base in sm:
+            diff.plot(sm.index, sm[name] - sm[base], linewidth=1.2, label=record_label(records[r.id], name), **line)
+    _difference_axis(diff, len(df))
+    cfg = (records.get(control().id) or next(iter(records.values()), {})).get("config", {})
     t = cfg.get("training", {})
     ax.set_title(
         "Loss convergence (CPU proxy): each layout vs 1D FSDP\n"
@@ -271,11 +285,36 @@ def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
         f"EMA span {SMOOTH_SPAN}, tolerance on the last {int(TRAILING_FRACTION * 100)}% of steps",
         fontsize=9,
     )
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5, loc="upper right")
     fig.tight_layout()
+    return fig
+
+
+def _difference_axis(diff, steps: int) -> None:
+    """The difference panel's zero line, the check's trailing window, its tolerance when it fits
+    the scale of the differences (else named in the label), and its labels; its runs are told
+    apart by the loss panel's legend (the same colours, styles and markers)."""
+    diff.axhline(0.0, color="0.4", linewidth=0.8)
+    low, high = diff.get_ylim()
+    if steps:
+        window = max(1, round(steps * TRAILING_FRACTION))
+        diff.axvspan(steps - window + 0.5, steps + 0.5, color="0.85", alpha=0.5, linewidth=0)
+        diff.text(steps + 0.5 - window / 2, high, "checked window", ha="center", va="top", fontsize=7)
+    if low <= -TOLERANCE and high >= TOLERANCE:
+        for y in (-TOLERANCE, TOLERANCE):
+            diff.axhline(y, color="0.3", linestyle=":", linewidth=0.8)
+        what = f"dotted: ±{TOLERANCE:g} tolerance"
+    else:
+        what = f"tolerance ±{TOLERANCE:g}: beyond this scale"
+    diff.set_ylabel(f"smoothed loss − 1D (nats)\n{what}", fontsize=8)
+    diff.set_xlabel("step")
+    diff.grid(alpha=0.3)
+
+
+def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
+    fig = figure(records, results)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
