@@ -350,20 +350,6 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     assert record_line and "->" not in record_line[0]  # with --out the record stays in --out
 
 
-def test_keys_lists_every_config_key_with_its_meaning():
-    from core.config import field_docs
-
-    res = invoke("keys")
-    assert res.exit_code == 0, res.output
-    docs = field_docs()
-    assert all(doc for doc in docs.values()), [k for k, d in docs.items() if not d]
-    for key in ("optimizer.lr", "parallelism.pp_schedule", "activation_checkpoint.mode"):
-        assert key in res.output
-    assert "peak learning rate" in invoke("keys", "optimizer.lr").output
-    bad = invoke("keys", "no_such_key")
-    assert bad.exit_code == 2 and "no config key contains" in bad.output
-
-
 def test_show_explains_the_keys_it_lists():
     res = invoke("show", ROW)
     assert res.exit_code == 0, res.output
