@@ -232,6 +232,24 @@ def hold(run_dir: Path, wait_s: float = 5.0) -> None:
         os.close(fd)
 
 
+def lock_for_job(folders: list[Path], owned: contextlib.ExitStack) -> None:
+    """In a job's ranks (SLURM: no launcher owns the folders): rank 0 takes each folder's lock,
+    held until `owned` closes; every rank learns whether it could, and raises RunDirBusy alike
+    when not."""
+    import torch.distributed as dist  # here: the launcher imports this module without torch
+
+    busy: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            for folder in folders:
+                owned.enter_context(lock(folder))
+        except RunDirBusy as e:
+            busy = [str(e)]
+    dist.broadcast_object_list(busy, src=0)
+    if busy[0] is not None:
+        raise RunDirBusy(busy[0])
+
+
 # ------------------------------------------------------------------------- making and claiming
 def make(name: str, out: str | Path | None, several: bool, runs_root: Path) -> Path:
     """--out DIR: DIR itself (DIR/<name> when several rows run); else <runs_root>/<name>/<timestamp>."""

@@ -446,21 +446,6 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
         run(cfg, startup_s if i == 0 else None)  # a later job's start-up was paid by the first
 
 
-def own_folders(cfgs: list[JobConfig], owned: contextlib.ExitStack) -> None:
-    """Rank 0 takes each job's run-folder lock (held until `owned` closes); every rank learns
-    whether it could, and raises RunDirBusy alike when not."""
-    busy = [None]
-    if dist.get_rank() == 0:
-        try:
-            for c in cfgs:
-                owned.enter_context(run_folder.lock(Path(c.job.output_dir)))
-        except RunDirBusy as e:
-            busy = [str(e)]
-    dist.broadcast_object_list(busy, src=0)
-    if busy[0] is not None:
-        raise RunDirBusy(busy[0])
-
-
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # an agent (torchrun) that dies takes its ranks with it
     startup_s = {"process_start_and_imports": process_age_s()}
@@ -480,10 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     startup_s["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
         with contextlib.ExitStack() as owned:
+            folders = [Path(c.job.output_dir) for c in cfgs]
             if os.environ.get(RUN_LOCK_ENV) == "1":  # a SLURM job owns its folders: rank 0 takes them
-                own_folders(cfgs, owned)
-            for c in cfgs:  # every rank writes there: the folder is not free while one lives
-                run_folder.hold(Path(c.job.output_dir))
+                run_folder.lock_for_job(folders, owned)
+            for folder in folders:  # every rank writes there: the folder is not free while one lives
+                run_folder.hold(folder)
             run_jobs(cfgs, startup_s)
     except RunDirBusy as e:  # another run holds a folder: nothing of this job ran
         if dist.get_rank() == 0:
