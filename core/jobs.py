@@ -27,7 +27,10 @@ def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
 def validated_jobs(argv: list[str] | None) -> list[JobConfig]:
     """Every job of the command line, validated before any runs (ConfigError names the key)."""
     world = int(os.environ.get("WORLD_SIZE", 0)) or None
-    cfgs = [validate(cfg, world) for cfg in parse_jobs(argv)]
+    # rank 0 checks the files (shards, tokenizer): at 512 ranks every rank opening every shard is
+    # ~500k opens on a shared file system; a rank that cannot read them fails where it reads
+    first = os.environ.get("RANK", "0") == "0"
+    cfgs = [validate(cfg, world, check_files=first) for cfg in parse_jobs(argv)]
     for cfg in cfgs:
         check_toggle_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
         check_real_devices(cfg)  # real mode: CUDA and a GPU per local rank, on every node

@@ -4,6 +4,7 @@ torch profiler over a window of steps (`[profiling]`), per rank."""
 from __future__ import annotations
 
 import csv
+import datetime
 import gc
 import time
 from pathlib import Path
@@ -40,10 +41,15 @@ class StepProfiler:
     """torch.profiler over steps start_step .. start_step + steps - 1 of this rank. At the window's
     end each rank writes `rank<R>_trace.json` (Chrome trace: Perfetto or chrome://tracing) and
     `rank<R>_ops.txt` / `.csv` (ops by self time) under the folder, and `summary` holds every
-    rank's top ops for the record (gathered: each rank ends the window at the same step)."""
+    rank's top ops for the record (gathered: each rank ends the window at the same step, and the
+    gather comes before the files are written, on a gloo group of `gather_timeout_s`: not under
+    the training timeout, after 512 ranks each wrote a trace to a shared file system)."""
 
-    def __init__(self, cfg: Profiling, out_dir: Path, rank: int, device_type: str):
+    def __init__(self, cfg: Profiling, out_dir: Path, rank: int, device_type: str, gather_timeout_s: float = 1800):
         self.cfg, self.rank, self.device_type = cfg, rank, device_type
+        self.group = None
+        if cfg.enabled and dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds it
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=gather_timeout_s))
         self.folder = Path(out_dir) / cfg.folder
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         self.prof: profile | None = None
@@ -84,21 +90,11 @@ class StepProfiler:
             self.prof = None
 
     def _write(self, wall: float) -> dict:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.folder / f"rank{self.rank}_trace.json"))
         device = self.device_type == "cuda"
         sort = "self_device_time_total" if device else "self_cpu_time_total"
         ops = self.prof.key_averages(group_by_input_shape=self.cfg.record_shapes)
-        (self.folder / f"rank{self.rank}_ops.txt").write_text(ops.table(sort_by=sort, row_limit=-1) + "\n")
         rows = sorted(ops, key=lambda e: getattr(e, sort), reverse=True)
         n = self.cfg.steps
-        with open(self.folder / f"rank{self.rank}_ops.csv", "w", newline="") as f:
-            out = csv.writer(f)
-            out.writerow(["op", "input_shapes", "calls_per_step", "self_ms_per_step", "total_ms_per_step"])
-            for e in rows:
-                shapes = str(e.input_shapes) if self.cfg.record_shapes else ""
-                total = e.device_time_total if device else e.cpu_time_total
-                out.writerow([e.key, shapes, e.count / n, getattr(e, sort) / 1e3 / n, total / 1e3 / n])
         self_total = sum(getattr(e, sort) for e in rows) or 1.0
         mine = {
             "rank": self.rank,
@@ -110,15 +106,29 @@ class StepProfiler:
             ],
         }
         ranks = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.group is not None:
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+            dist.all_gather_object(ranks, mine, group=self.group)
+        self._files(ops, rows, sort, device)
         return {
             "steps": [self.first, self.last],
             "time": "self device time" if device else "self CPU time (all threads of the rank)",
             "folder": str(self.folder),
             "ranks": ranks,
         }
+
+    def _files(self, ops, rows, sort: str, device: bool) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.folder / f"rank{self.rank}_trace.json"))
+        (self.folder / f"rank{self.rank}_ops.txt").write_text(ops.table(sort_by=sort, row_limit=-1) + "\n")
+        n = self.cfg.steps
+        with open(self.folder / f"rank{self.rank}_ops.csv", "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["op", "input_shapes", "calls_per_step", "self_ms_per_step", "total_ms_per_step"])
+            for e in rows:
+                shapes = str(e.input_shapes) if self.cfg.record_shapes else ""
+                total = e.device_time_total if device else e.cpu_time_total
+                out.writerow([e.key, shapes, e.count / n, getattr(e, sort) / 1e3 / n, total / 1e3 / n])
 
     def headline(self) -> str:
         """One line: rank 0's top ops and where the files are."""

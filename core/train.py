@@ -278,7 +278,9 @@ class Trainer:
         )
         wall0 = time.perf_counter()
         gc_at_steps = GCAtSteps(t.gc_freq)
-        profiler = StepProfiler(cfg.profiling, self.out_dir, self.rank, self.device.type)
+        profiler = StepProfiler(
+            cfg.profiling, self.out_dir, self.rank, self.device.type, cfg.comm.checkpoint_timeout_seconds
+        )
         try:
             while self.step < t.steps:
                 self.train_state.step += 1

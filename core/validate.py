@@ -190,6 +190,11 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
             )
         if cfg.data.dataset != "synthetic":
             n_words = _check_tokenizer(cfg)
+            if cfg.model.vocab_size and cfg.model.vocab_size < n_words:
+                raise ConfigError(
+                    f"model.vocab_size: {cfg.model.vocab_size} is below the {n_words} ids of the tokenizer "
+                    f"{cfg.tokenizer.path} (0: the tokenizer's)"
+                )
         if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
             raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
     if p.pp > 1 and p.pp_static_shapes:  # the stages' example shapes, with the vocabulary the model will have

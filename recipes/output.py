@@ -187,6 +187,7 @@ def _stop(proc: subprocess.Popen) -> None:
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # torch.distributed's glog lines
 # a traceback, or Python's report of an exception it could not raise (a generator closed at exit)
 _TRACEBACK = re.compile(r"^(\[rank\d+\]:\s*)?(Traceback \(most recent call last\):|Exception ignored in)")
+_SIGNALLED = re.compile(r"Process \d+ got signal: \d+")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -225,8 +226,9 @@ class TerminalEcho:
             self.in_traceback = False
             self.in_report, self.report_rules = "ChildFailedError" in bare, 0
             return False
-        # a rank's one-line report of its exception (the launcher's last line names the first)
-        return not (_ELASTIC_LOG.match(bare) or (bare != line and _EXCEPTION.match(bare)))
+        # a rank's one-line report of its exception (the launcher's last line names the first), and
+        # what a rank says as torchrun's SIGTERM interrupts it ("Process N got signal: 15")
+        return not (_ELASTIC_LOG.match(bare) or (bare != line and _EXCEPTION.match(bare)) or _SIGNALLED.search(bare))
 
     def close(self) -> str:
         rest, self.partial = self.partial, ""

@@ -14,12 +14,15 @@ its slice of every global batch as `(inputs[B, S], labels[B, S])` int64 tensors.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import socket
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -100,12 +103,26 @@ def check_hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> None:
         )
 
 
+def streaming_cache_dir() -> str:
+    """Where `datasets` keeps a streaming builder's metadata and takes its lock: node-local (the
+    machine's temp folder, per user), not the shared HF cache every rank of a cluster would lock
+    one after another. Streaming writes no data there."""
+    return os.environ.get("TITAN_HF_STREAMING_CACHE") or str(Path(tempfile.gettempdir()) / f"titan_hf_{_user()}")
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
 def _open_c4(path: str | None, split: str, rank: int = 0, world: int = 1) -> DocumentSource:
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: 512 ranks probing the hub is a burst of its own
         check_hub_reachable()
     from datasets import load_dataset  # local: HF datasets costs seconds to import; synthetic runs skip it
 
-    ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True)
+    ds = load_dataset(path or C4_REPO, name="en", split=split, streaming=True, cache_dir=streaming_cache_dir())
     return HFDocuments(split_by_rank(ds, rank, world))
 
 
@@ -118,7 +135,7 @@ def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1
     from datasets import load_dataset  # local: import cost, as above
 
     try:  # the JSON reader opens the first shard for its columns here: a bad one must be named
-        ds = load_dataset("json", data_files=files, split="train", streaming=True)
+        ds = load_dataset("json", data_files=files, split="train", streaming=True, cache_dir=streaming_cache_dir())
         # a bad line is looked for in this rank's own shards only (C4 has 1,024 of them)
         return HFDocuments(split_by_rank(ds, rank, world), files=own_files(files, rank, world))
     except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise many kinds; the file is named below

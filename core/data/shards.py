@@ -4,6 +4,7 @@ both ask here."""
 
 from __future__ import annotations
 
+import gzip
 import os
 from pathlib import Path
 
@@ -42,8 +43,9 @@ def c4_shards(path: str | os.PathLike | None, split: str = "train") -> list[Path
 
 
 def check_corpus(path: str | os.PathLike | None, split: str = "train") -> None:
-    """What can be known before any rank reads: the shards exist, can be opened, and start as gzip
-    (a few bytes each: a truncated end is found where it is read, naming the line)."""
+    """What can be known before any rank reads: the shards exist, can be opened, are gzip and
+    hold a first line (one block each: a truncated end is found where it is read, naming the
+    line). The launcher (or a job's rank 0) checks, once: not every rank."""
     for f in c4_shards(path, split):
         try:
             with open(f, "rb") as fh:
@@ -53,3 +55,10 @@ def check_corpus(path: str | os.PathLike | None, split: str = "train") -> None:
         if head != GZIP_MAGIC:
             what = "is empty" if not head else "is not a gzip file"
             raise CorpusError(f"data.path: {f} {what}")
+        try:  # its first line: a gzip stream of nothing is a shard without a document
+            with gzip.open(f, "rb") as g:
+                first = g.readline()
+        except (OSError, EOFError) as e:
+            raise CorpusError(f"data.path: {f}: its gzip stream cannot be read ({e})") from None
+        if not first.strip():
+            raise CorpusError(f"data.path: {f} holds no document (an empty gzip stream)")
