@@ -178,7 +178,11 @@ def _visible_gpus() -> int:
 def keys_cmd(pattern):
     """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
     defaults = flatten_keys(JobConfig().to_dict())
-    rows = [[k, _short(defaults.get(k)), doc] for k, doc in field_docs().items() if pattern in k]
+    rows = [
+        [k, _short(defaults.get(k)), doc]
+        for k, doc in field_docs().items()
+        if pattern in k and k not in registry.CLI_OWNED_KEYS  # set by --mode, the id, --out
+    ]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
     click.echo(

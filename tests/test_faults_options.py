@@ -1,0 +1,26 @@
+"""Options and `--set` keys refused before anything is spawned, in one line naming what to use
+instead (exit 2): keys the command line owns, plan's bounds, forms of an option that would be
+silently ignored, path components that escape their folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import fault_utils
+from tests.fault_utils import ROW, invoke
+
+pytestmark = pytest.mark.faults
+no_spawn = fault_utils.no_spawn  # the fixture, registered in this module by name
+
+
+# --------------------------------------------------------------------- keys the CLI owns
+@pytest.mark.parametrize(
+    ("text", "use"), [("job.mode=dry-run", "--mode"), ("job.recipe=x", "recipe id"), ("job.output_dir=/tmp/x", "--out")]
+)
+def test_set_of_a_key_the_cli_owns_is_refused(tmp_path, no_spawn, text, use):
+    res = invoke("run", ROW, "--mode", "proxy", "--set", text, "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2, res.output
+    assert text.split("=")[0] in res.output and use in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "out").exists()
+    assert text.split("=")[0] not in invoke("keys", "job.").output  # not listed as a --set key
