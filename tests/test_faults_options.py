@@ -4,8 +4,11 @@ silently ignored, path components that escape their folder."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from core.overrides import parse_override
 from tests import fault_utils
 from tests.fault_utils import ROW, invoke
 
@@ -24,3 +27,12 @@ def test_set_of_a_key_the_cli_owns_is_refused(tmp_path, no_spawn, text, use):
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "out").exists()
     assert text.split("=")[0] not in invoke("keys", "job.").output  # not listed as a --set key
+
+
+# ------------------------------------------------------------------------ whitespace in --set
+@pytest.mark.parametrize("text", [" training.steps=7", "training.steps =7", " training . steps = 7 "])
+def test_set_key_with_whitespace_around_it_is_read_as_toml_reads_it(text):
+    assert parse_override(text) == ("training", "steps", 7)
+    res = invoke("show", ROW, "--json", "--set", text, "--set", "model.flavor = tiny")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["proxy"]["config"]["training"]["steps"] == 7
