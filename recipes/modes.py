@@ -26,6 +26,7 @@ from typing import ClassVar
 import click
 
 from core import run_folder
+from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
@@ -344,7 +345,7 @@ def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) ->
     try:
         row.run_dir = run_folder.make(row.recipe.fname, options.out, options.several, paths.default_runs_dir())
         run_folder.claim(locks, row.cfg, row.run_dir)
-    except run_folder.RunDirBusy as e:
+    except (run_folder.RunDirBusy, CheckpointError) as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:
         raise RowRefused(f"config error: {row.recipe.id}: {e}") from None

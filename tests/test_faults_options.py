@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from core import run_folder
 from core.overrides import parse_override
 from tests import fault_utils
-from tests.fault_utils import ROW, invoke
+from tests.fault_utils import ROW, digest, invoke
 
 pytestmark = pytest.mark.faults
 no_spawn = fault_utils.no_spawn  # the fixture, registered in this module by name
@@ -36,3 +37,18 @@ def test_set_key_with_whitespace_around_it_is_read_as_toml_reads_it(text):
     res = invoke("show", ROW, "--json", "--set", text, "--set", "model.flavor = tiny")
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["proxy"]["config"]["training"]["steps"] == 7
+
+
+# --------------------------------------------------------------------- a corrupt titan.json
+@pytest.mark.parametrize("text", ["garbage{", "[1, 2]", "null", "", '{"step": 4, "model_shape": 5}'])
+def test_a_corrupt_checkpoint_info_is_one_line_naming_it(tmp_path, no_spawn, text):
+    step = tmp_path / "run" / "checkpoint" / "step-4"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"not read before spawn")
+    (step / "titan.json").write_text(text)
+    before = digest(tmp_path / "run")
+    res = invoke("run", ROW, "--set", "checkpoint.enabled=true", "--out", str(tmp_path / "run"))
+    assert res.exit_code == 2, res.output
+    assert str(step / "titan.json") in res.output and "corrupted checkpoint info" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert digest(tmp_path / "run") == before and not (tmp_path / "run" / run_folder.LOCK).exists()
