@@ -28,6 +28,7 @@ import click
 from core import run_folder
 from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
+from core.fileio import check_writable_folder
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
@@ -364,9 +365,21 @@ def claim_existing_run_dirs(locks: contextlib.ExitStack, rows: list[Row], option
             claim_run_dir(locks, row, options)
 
 
+def check_records_dir(options: RunOptions) -> None:
+    """The records folder can be written: found before the runs, not after them (RowRefused)."""
+    if options.records is None:
+        return
+    try:
+        check_writable_folder(options.records)
+    except OSError as e:
+        where = f"--records-dir {options.records}"
+        raise RowRefused(f"error: {where}: cannot write in {e.filename}: {e.strerror}") from None
+
+
 def run_rows(mode: RowMode, recipes: list[Recipe], overrides: tuple[str, ...]) -> list[str]:
     """`run-recipe run`: every check for every row first, then each row runs; the ids that failed."""
     mode.check_options()
+    check_records_dir(mode.options)
     rows = [mode.plan(r, overrides) for r in recipes]
     with contextlib.ExitStack() as locks:  # each run folder is owned until the command ends
         claim_existing_run_dirs(locks, rows, mode.options)

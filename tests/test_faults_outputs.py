@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests import fault_utils
 from tests.dist_utils import ROOT
-from tests.fault_utils import digest, invoke
+from tests.fault_utils import ROW, digest, invoke
 
 pytestmark = pytest.mark.faults
+no_spawn = fault_utils.no_spawn  # the fixture, registered in this module by name
 
 PROXY_RECORD = "proxy/llama3_8b__table1__8gpu_fsdp.json"
 
@@ -125,3 +127,65 @@ def test_results_out_under_a_file(results_copy, tmp_path):
     assert res.exit_code == 2, res.output
     assert "a_file" in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert (tmp_path / "a_file").read_text() == "in the way\n"
+
+
+@pytest.fixture(params=["read-only", "a file in the way"])
+def unwritable(request, tmp_path):
+    """A folder that cannot be made or written: on a read-only file system (root only), or under a file."""
+    if request.param == "read-only":
+        return request.getfixturevalue("read_only_fs") / "out", "Read-only file system"
+    (tmp_path / "a_file").write_text("in the way\n")
+    return tmp_path / "a_file" / "out", "a file is in the way"
+
+
+def _one_line(res, code: int = 2) -> str:
+    assert res.exit_code == code, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    return res.output
+
+
+def test_run_refuses_an_unwritable_records_dir_before_the_run(tmp_path, unwritable, no_spawn):
+    where, why = unwritable
+    res = invoke("run", ROW, "--out", str(tmp_path / "run"), "--records-dir", str(where))
+    assert "--records-dir" in _one_line(res) and why in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_preflight_refuses_an_unwritable_out_before_any_run(unwritable, no_spawn):
+    where, why = unwritable
+    for form in ([], ["--gpus", "1", "--quick"]):
+        res = invoke("preflight", "--out", str(where), *form)
+        assert "--out" in _one_line(res) and why in res.output
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    from recipes.gpu_spec import command
+
+    def boom(*a, **k):
+        raise AssertionError("measured before the options were checked")
+
+    monkeypatch.setattr(command, "measure_spec", boom)
+
+
+def test_gpu_spec_checks_out_before_measuring(unwritable, no_measuring):
+    where, why = unwritable
+    res = invoke("gpu-spec", "--measure", "--quick", "--device", "cpu", "--out", str(where / "spec.toml"))
+    assert "--out" in _one_line(res) and why in res.output
+
+
+def test_gpu_spec_checks_base_before_measuring(no_measuring):
+    res = invoke("gpu-spec", "--measure", "--quick", "--device", "cpu", "--base", "no_such_spec")
+    assert "--base" in _one_line(res) and "unknown GPU spec 'no_such_spec'" in res.output
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/abs", "..", ""])
+def test_gpu_spec_name_is_a_plain_file_name(no_measuring, name):
+    res = invoke("gpu-spec", "--measure", "--quick", "--device", "cpu", "--name", name)
+    assert "--name" in _one_line(res) and "plain file name" in res.output
+
+
+def test_dry_run_table_refuses_an_unknown_gpu(tmp_path, no_spawn):
+    res = invoke("dry-run-table", "--predict", "--gpu", "h100_nope", "--out", str(tmp_path / "out"))
+    assert "--gpu" in _one_line(res) and "unknown GPU spec 'h100_nope'" in res.output
+    assert not (tmp_path / "out").exists()

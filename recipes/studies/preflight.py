@@ -34,7 +34,7 @@ import click
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes, paths
-from recipes.options import out_dir_option
+from recipes.options import check_writable, out_dir_option
 from recipes.studies.parity_layouts import base_job
 from recipes.studies.preflight_one import one_device_options
 
@@ -401,12 +401,14 @@ def preflight(
         from recipes.studies.preflight_one import one_device
 
         folder = Path(out) if out else paths.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S-gpus1")
+        check_writable("--out", folder)
         sys.exit(one_device(folder.resolve(), rounds, steps, quick, threads, device, layers))
     # the real form needs one node of 8 GPUs (the 3D layout); anything less runs the CPU proxy form
     real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
     if torch.cuda.is_available() and not real:
         click.echo(f"{torch.cuda.device_count()} GPUs here, 8 needed for the real form: running the CPU proxy form")
     folder = Path(out) if out else paths.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
+    check_writable("--out", folder)
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
