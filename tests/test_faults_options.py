@@ -52,3 +52,15 @@ def test_a_corrupt_checkpoint_info_is_one_line_naming_it(tmp_path, no_spawn, tex
     assert str(step / "titan.json") in res.output and "corrupted checkpoint info" in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert digest(tmp_path / "run") == before and not (tmp_path / "run" / run_folder.LOCK).exists()
+
+
+# -------------------------------------------------------------- preflight's one-device options
+@pytest.mark.parametrize(
+    "args", [["--quick"], ["--device", "cpu"], ["--rounds", "1"], ["--layers", "2", "--steps", "2"]]
+)
+def test_preflight_one_device_options_without_gpus_1_are_refused(tmp_path, no_spawn, args):
+    res = invoke("preflight", "--out", str(tmp_path / "pf"), *args)
+    assert res.exit_code == 2, res.output
+    assert args[0] in res.output and "only with --gpus 1" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "pf").exists()

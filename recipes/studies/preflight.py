@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes, paths
-from recipes.options import check_writable, out_dir_option
+from recipes.options import check_writable, out_dir_option, refuse
 from recipes.studies.parity_layouts import base_job
 from recipes.studies.preflight_one import one_device_options
 
@@ -393,6 +394,15 @@ def preflight(
     --gpus 1: this device measured, a one-device step predicted on its spec and compared."""
     import torch  # local: `run-recipe --help` must not import torch
 
+    if gpus is None:  # the one-device form's options, which the node's check would ignore
+        ctx = click.get_current_context()
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if p.name not in ("out", "gpus", "help") and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE
+        ]
+        if given:
+            refuse(f"error: {', '.join(given)}: only with --gpus 1 (the one-device form); the node's check takes --out")
     if gpus is not None:
         if gpus != 1:
             raise click.BadParameter(
