@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from click.testing import CliRunner
 
 from core import run_folder
 from core.overrides import parse_override
+from recipes.plan.layouts import plan
 from tests import fault_utils
 from tests.fault_utils import ROW, digest, invoke
 
@@ -64,3 +66,30 @@ def test_preflight_one_device_options_without_gpus_1_are_refused(tmp_path, no_sp
     assert args[0] in res.output and "only with --gpus 1" in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "pf").exists()
+
+
+# ------------------------------------------------------------------------------------ plan
+@pytest.mark.parametrize(
+    ("args", "option", "says"),
+    [
+        (["--gpu-mem", "nan"], "--gpu-mem", "above 0 and finite"),
+        (["--gpu-mem", "inf"], "--gpu-mem", "above 0 and finite"),
+        (["--gpus-per-node", "0"], "--gpus-per-node", "at least 1 GPU per node"),
+        (["--gpus", "1024", "--global-batch", "3"], "--global-batch", "data-parallel ranks of no layout"),
+        (["--top", "0"], "--top", "at least 1 candidate"),
+        (["--days", "30"], "--days", "give --gpus, or --tokens and --days"),
+        (["--tokens", "2T", "--json"], "--tokens", "only adds the days to the text answer"),
+    ],
+)
+def test_plan_refuses_what_it_would_ignore_or_cannot_split(args, option, says):
+    given = ["--model", "8B", *([] if "--gpus" in args else ["--gpus", "8"]), *args]
+    res = CliRunner().invoke(plan, given)
+    assert res.exit_code == 2, res.output
+    assert option in res.output and says in res.output, res.output
+
+
+@pytest.mark.parametrize("args", [["--gpus", "8"], ["--tokens", "1T", "--days", "1", "--gpu-mem", "1"]])
+def test_plan_json_exits_as_the_text_answer(args):
+    text = CliRunner().invoke(plan, ["--model", "8B", *args])
+    as_json = CliRunner().invoke(plan, ["--model", "8B", *args, "--json"])
+    assert text.exit_code == as_json.exit_code, (text.output, as_json.output)
