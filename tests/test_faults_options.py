@@ -93,3 +93,22 @@ def test_plan_json_exits_as_the_text_answer(args):
     text = CliRunner().invoke(plan, ["--model", "8B", *args])
     as_json = CliRunner().invoke(plan, ["--model", "8B", *args, "--json"])
     assert text.exit_code == as_json.exit_code, (text.output, as_json.output)
+
+
+# -------------------------------------------------------------- folders under the run folder
+@pytest.mark.parametrize(
+    "text",
+    [
+        "checkpoint.folder='../x'",
+        "checkpoint.folder='a/../../x'",
+        "checkpoint.folder='..'",
+        "profiling.folder='../p'",
+        "comm.fr_dump_folder='../../t'",
+    ],
+)
+def test_a_folder_key_that_escapes_the_run_folder_is_refused(tmp_path, no_spawn, text):
+    res = invoke("run", ROW, "--set", text, "--set", "profiling.enabled=true", "--out", str(tmp_path / "a" / "run"))
+    assert res.exit_code == 2, res.output
+    assert text.split("=")[0] in res.output and "sub-folder of job.output_dir" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "a").exists()
