@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,9 +293,9 @@ def groups(rows: list[Row], shared: bool) -> list[list[Row]]:
 
 def _launch(rows: list[Row], mode: RowMode) -> tuple[int, float]:
     cmd = mode.command(rows[0].world, [r.job for r in rows], mode.options.max_restarts)
-    for r in rows:
-        (r.run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    click.echo("$ " + " ".join(cmd))
+    for r in rows:  # shell-quoted: a folder with a space or quote pastes back as one argument
+        (r.run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+    click.echo("$ " + shlex.join(cmd))
     logs = {r.cfg.job.output_dir: r.run_dir / "train.log" for r in rows} if len(rows) > 1 else None
     started = time.time()
     rc = stream(cmd, mode.env(rows[0].world), rows[0].run_dir / "train.log", job_logs=logs)

@@ -5,6 +5,7 @@ silently ignored, path components that escape their folder."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 from click.testing import CliRunner
@@ -112,3 +113,18 @@ def test_a_folder_key_that_escapes_the_run_folder_is_refused(tmp_path, no_spawn,
     assert text.split("=")[0] in res.output and "sub-folder of job.output_dir" in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "a").exists()
+
+
+# ------------------------------------------------------------------- the launch command shown
+def test_the_launch_line_and_command_txt_are_shell_quoted(tmp_path, monkeypatch):
+    from recipes import modes
+
+    launched = []
+    monkeypatch.setattr(modes, "stream", lambda cmd, *a, **k: launched.append(cmd) or 1)
+    out = tmp_path / "it's a run"
+    res = invoke("run", ROW, "--out", str(out))
+    assert res.exit_code == 1 and launched, res.output  # the stand-in launch failed: no record
+    (cmd,) = launched
+    assert shlex.split((out / "command.txt").read_text()) == cmd
+    line = next(x for x in res.output.splitlines() if x.startswith("$ "))
+    assert shlex.split(line[2:]) == cmd

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -115,7 +116,7 @@ def run_row(
     job = run_folder.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
     cmd = modes.PROXY.command(world, [job])
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     env = modes.PROXY.env(world)
     result = run_dir / "result.json"
     t0 = time.perf_counter()
