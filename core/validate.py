@@ -97,12 +97,23 @@ _RANGES = {  # key: (test, what it means); every value must also be finite
 }
 
 
+# The longest sequence a run may ask for: 4x the paper's longest rows (262,144 tokens, Tables 4
+# and 5). The RoPE table, every data window and each attention are this long: a mistyped length
+# fails here, not as an out-of-memory in every rank after spawn.
+MAX_SEQ_LEN = 1 << 20
+
+
 def _check_values(cfg: JobConfig) -> None:
     """Numbers in their meaningful range (a NaN learning rate or beta1 = 2 fails here, not in the ranks)."""
     for key, (ok, what) in _RANGES.items():
         v = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not (math.isfinite(v) and ok(v)):
             raise ConfigError(f"{key}: must be finite and {what}, got {v}")
+    if cfg.training.seq_len > MAX_SEQ_LEN:
+        raise ConfigError(
+            f"training.seq_len: {cfg.training.seq_len:,} tokens is above {MAX_SEQ_LEN:,} "
+            "(4x the paper's longest sequence, 262,144)"
+        )
 
 
 def _check_tokenizer(cfg: JobConfig) -> int:

@@ -128,3 +128,13 @@ def test_the_launch_line_and_command_txt_are_shell_quoted(tmp_path, monkeypatch)
     assert shlex.split((out / "command.txt").read_text()) == cmd
     line = next(x for x in res.output.splitlines() if x.startswith("$ "))
     assert shlex.split(line[2:]) == cmd
+
+
+# ----------------------------------------------------------------------- a huge sequence length
+@pytest.mark.parametrize("mode", ["proxy", "dry-run"])
+def test_a_huge_seq_len_is_refused_before_spawn(tmp_path, no_spawn, mode):
+    res = invoke("run", ROW, "--mode", mode, "--set", "training.seq_len=4000000000", "--out", str(tmp_path / "run"))
+    assert res.exit_code == 2, res.output
+    assert "training.seq_len" in res.output and "4,000,000,000" in res.output and "1,048,576" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "run").exists()
