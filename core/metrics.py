@@ -233,6 +233,7 @@ class StepLog:
             )
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, dt: float, data_dt: float) -> None:
+        """One step's line; `lr`: the rate its update used (read before the scheduler steps)."""
         tps = self.tokens_per_device / dt
         if step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps:
             self.logger.log(
