@@ -226,6 +226,16 @@ def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records
     return written
 
 
+def write_table(records_dir: str | Path, out_dir: str | Path, table: str) -> list[Path]:
+    """One table's files into out_dir (its .md, CSV and figure; the loss-convergence curves),
+    nothing else: a study that makes one table leaves the other tables and README.md as they are.
+    RecordError / NoRecordsError as write_results, before anything is written."""
+    records = load_records(records_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _write_table(table, registry.table_info().get(table, {}), records, out, [])[1]
+
+
 def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list[str]) -> tuple[tuple, list[Path]]:
     """<table>.md, its CSV and figure; returns (its README index entry, the files written)."""
     recipes = registry.by_table(table)
