@@ -226,7 +226,14 @@ class RealMode(RowMode):
         if self.options.slurm:
             script = row.run_dir / "sbatch.sh"
             text = multinode.sbatch_script(
-                r, row.cfg, row.run_dir, row.nnodes, nproc, self.options.records, self.options.sbatch_opts
+                r,
+                row.cfg,
+                row.run_dir,
+                row.nnodes,
+                nproc,
+                self.options.records,
+                self.options.sbatch_opts,
+                max_restarts=self.options.max_restarts,
             )
             script.write_text(text)
             script.chmod(0o755)
@@ -234,7 +241,10 @@ class RealMode(RowMode):
             return True
         where = "On every node, with HOST the first node's address:"
         click.echo(f"{r.id} needs {row.nnodes} nodes x {nproc} GPUs. {where}\n")
-        click.echo("  " + multinode.multinode_command(row.nnodes, nproc, row.job, r.fname) + "\n")
+        command = multinode.multinode_command(
+            row.nnodes, nproc, row.job, r.fname, max_restarts=self.options.max_restarts
+        )
+        click.echo("  " + command + "\n")
         click.echo("or let run-recipe write an sbatch script: add --slurm")
         return True
 
