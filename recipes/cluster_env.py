@@ -63,6 +63,9 @@ def sbatch_env_lines(nproc: int) -> list[str]:
     threads per rank from the node's cores, the allocator, a node-local inductor cache (every
     rank of every node compiling into one folder on the cluster's file system is slow and racy)."""
     return [
+        # the open-file limit SLURM passes on may be a soft 1024: gloo's groups at 512 ranks need more
+        # (the trainer raises it too: core/process.py raise_open_file_limit); srun hands it to the tasks
+        'ulimit -n "$(ulimit -Hn)" 2>/dev/null || true',
         "cpus_per_node=${SLURM_CPUS_ON_NODE:-$(nproc)}",
         # torchrun binds each rank to the CPUs near its GPU (it needs numactl; TITAN_NUMA_BINDING=""
         # turns it off, or names another of torchrun's modes)

@@ -1,15 +1,19 @@
 """What a multi-node launch carries to every node, whichever form starts it (the printed command,
-the sbatch script): --max-restarts, the node's environment, the open-file limit."""
+the sbatch script): --max-restarts, the node's environment, the open-file limit (which a rank also
+raises itself: core/process.py)."""
 
 from __future__ import annotations
 
 import os
+import resource
 import shlex
 import subprocess
+import sys
 
 import pytest
 
 from recipes import cluster_env
+from tests.dist_utils import ROOT
 from tests.fault_utils import invoke
 
 pytestmark = pytest.mark.realpath
@@ -65,3 +69,31 @@ def test_printed_multinode_command_sets_the_env_of_a_local_launch(tmp_path, monk
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"  # the node's own value is kept
     out = subprocess.run(["bash", "-c", f"{prefix} env"], env=env, capture_output=True, text=True, check=True).stdout
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in out.splitlines()
+
+
+# ------------------------------------------------------------------------ the open-file limit
+def test_sbatch_raises_the_soft_open_file_limit_to_the_hard_one(tmp_path):
+    script = _sbatch(tmp_path)
+    line = next(x for x in cluster_env.sbatch_env_lines(8) if x.startswith("ulimit"))
+    assert line in script.split("srun ", 1)[0]
+    out = subprocess.run(
+        ["bash", "-euc", f"ulimit -Sn 256; {line}; echo $(ulimit -Sn) $(ulimit -Hn)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out[0] == out[1] or out[1] == "unlimited", out
+
+
+def test_a_rank_raises_its_soft_open_file_limit_to_the_hard_one():
+    code = (
+        "import resource; from core.process import raise_open_file_limit; "
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); "
+        "before, after = raise_open_file_limit(); "
+        "print(before, after, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    before, after, now, hard = (int(x) for x in out.stdout.split())
+    assert before == 256 and after == now and after > 256
+    assert after == hard or hard == resource.RLIM_INFINITY
