@@ -218,7 +218,8 @@ class Compile:
     backend: CompileBackend = field(default="inductor", metadata={"doc": "inductor | aot_eager | eager"})
     fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
     emulate_precision_casts: bool = field(
-        default=False, metadata={"doc": "round fused bf16 values as eager does (for parity checks)"}
+        default=False,
+        metadata={"doc": "round fused bf16 values as eager does (parity checks; always on for rowwise Float8)"},
     )
     shared_cache: SharedCache = field(
         default="auto",
