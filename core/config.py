@@ -2,7 +2,9 @@
 
 No `eval`: override values are parsed as TOML literals. Enum-like fields are `Literal[...]` types
 (core/validate.py checks them from the annotation, with every other check made before a process
-is spawned); every field carries a one-line doc (`field_docs()`, printed by `run-recipe keys`).
+is spawned); every field carries a one-line doc (`field_docs()`, printed whole by `run-recipe keys`
+beside the allowed values, `core.validate.key_choices()`): a doc that explains one value of its
+key explains them all (tests/test_config.py checks).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from core.parallel.stages import PPSchedule
 
 # ------------------------------------------------------------------------------- enum-like fields
 # Checked generically from these annotations (`check_choices`); the error lists the valid values.
-# Every field carries a one-line doc in its metadata (`field_docs()`).
+# Every field carries a one-line doc in its metadata (`field_docs()`); the values need no list there.
 Mode = Literal["real", "proxy", "dry-run"]
 RopeScaling = Literal["default", "on", "off"]
 DatasetKind = Literal["c4", "c4_offline", "synthetic"]
@@ -63,7 +65,9 @@ class Job:
 
 @dataclass
 class Model:
-    flavor: str = field(default="debug", metadata={"doc": "a key of core.models.args.FLAVORS"})
+    flavor: str = field(
+        default="debug", metadata={"doc": "the model's shape (core.models.args.FLAVORS): a CPU proxy's or Llama 3.1's"}
+    )
     # The shape keys below replace the flavor's value when non-zero (core.models.args.model_args).
     dim: int = field(default=0, metadata={"doc": "0: the flavor's; model width (n_heads divides it)"})
     n_layers: int = field(default=0, metadata={"doc": "0: the flavor's; transformer blocks (>= pipeline stages)"})
@@ -81,7 +85,14 @@ class Model:
     rope_scaling: RopeScaling = field(
         default="default", metadata={"doc": "Llama 3.1 RoPE scaling: default (the flavor's) | on | off"}
     )
-    init_device: Literal["auto", "meta"] = field(default="auto", metadata={"doc": "meta: CUDA's meta init on CPU too"})
+    init_device: Literal["auto", "meta"] = field(
+        default="auto",
+        metadata={
+            "doc": "auto: on CPU every rank initialises the whole model, then shards it (the same weights for "
+            "every layout); on CUDA the model is built on meta and each rank initialises its shards, seeded per "
+            "pipeline stage | meta: that CUDA path on CPU too (tests, preflight)"
+        },
+    )
     attention_dtype: Literal["auto", "compute", "float32"] = field(
         default="auto",
         metadata={
@@ -102,8 +113,21 @@ class Data:
     dataset: DatasetKind = field(
         default="c4_offline", metadata={"doc": "c4 (streamed from the hub) | c4_offline | synthetic"}
     )
-    path: str = field(default="assets/c4_offline", metadata={"doc": "local corpus (c4_offline), e.g. a C4 copy"})
-    sharding: Literal["auto", "global", "per_rank"] = field(default="auto", metadata={"doc": "auto: per_rank if real"})
+    path: str = field(
+        default="assets/c4_offline",
+        metadata={
+            "doc": "local corpus (c4_offline): a folder of c4-<split>.*.json.gz shards in C4's own layout "
+            "(<path>/en/ or <path>/), e.g. a local copy of allenai/c4 en"
+        },
+    )
+    sharding: Literal["auto", "global", "per_rank"] = field(
+        default="auto",
+        metadata={
+            "doc": "global: every rank tokenizes the whole global batch and keeps its slice (the same batches for "
+            "any layout: parity, proxies) | per_rank: each DP rank reads and tokenizes only its own documents "
+            "(scales) | auto: per_rank in real mode, else global"
+        },
+    )
     skip_bad_documents: bool = field(
         default=False,
         metadata={"doc": "skip (and count in the record) malformed corpus lines instead of stopping at the first"},
@@ -144,7 +168,7 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: OptimizerName = field(default="AdamW", metadata={"doc": "AdamW | Adam | SGD"})
+    name: OptimizerName = field(default="AdamW", metadata={"doc": "the torch.optim optimizer"})
     lr: float = field(default=3e-4, metadata={"doc": "peak learning rate"})
     eps: float = field(default=1e-8, metadata={"doc": "Adam epsilon"})
     beta1: float = field(default=0.9, metadata={"doc": "Adam beta1"})
@@ -152,7 +176,10 @@ class Optimizer:
     weight_decay: float = field(default=0.1, metadata={"doc": "decoupled weight decay"})
     implementation: Literal["fused", "foreach", "for-loop"] = field(
         default="fused",
-        metadata={"doc": "Adam(W) kernels: fused (one kernel per step; ~4x faster than foreach on CPU) | foreach"},
+        metadata={
+            "doc": "Adam(W) kernels: fused (one kernel per step; ~4x faster than foreach on CPU) | foreach (a few "
+            "kernels per op over all tensors) | for-loop (one tensor at a time)"
+        },
     )
 
 
@@ -176,7 +203,13 @@ class Parallelism:
     enable_async_tp: bool = field(
         default=False, metadata={"doc": "AsyncTP: overlap TP collectives with matmuls (needs compile)"}
     )
-    fsdp_reshard_after_forward: Reshard = field(default="default", metadata={"doc": "default | always | never"})
+    fsdp_reshard_after_forward: Reshard = field(
+        default="default",
+        metadata={
+            "doc": "always: free each block's gathered parameters after its forward (gathered again for the "
+            "backward) | never: keep them (more memory, fewer all-gathers) | default: always, never with PP"
+        },
+    )
     pp_schedule: PPSchedule = field(default="1F1B", metadata={"doc": "a torch.distributed.pipelining schedule"})
     pp_microbatches: int = field(default=0, metadata={"doc": "0: one per stage"})
     pp_layers_per_stage: int = field(
@@ -203,7 +236,10 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: ACMode = field(default="none", metadata={"doc": "none | full | selective"})
+    mode: ACMode = field(
+        default="none",
+        metadata={"doc": "recompute activations in the backward: none | full (every block) | selective (below)"},
+    )
     selective_ac_option: str = field(
         default="op", metadata={"doc": '"op", or an integer k: checkpoint every k-th block'}
     )
@@ -215,7 +251,12 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enabled: bool = field(default=False, metadata={"doc": "torch.compile each transformer block"})
-    backend: CompileBackend = field(default="inductor", metadata={"doc": "inductor | aot_eager | eager"})
+    backend: CompileBackend = field(
+        default="inductor",
+        metadata={
+            "doc": "torch.compile backend: inductor (generated kernels) | aot_eager, eager (debugging: no codegen)"
+        },
+    )
     fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
     emulate_precision_casts: bool = field(
         default=False,
@@ -257,7 +298,13 @@ class Checkpoint:
     folder: str = field(default="checkpoint", metadata={"doc": "under job.output_dir"})
     interval: int = field(default=500, metadata={"doc": "steps between saves"})
     keep_latest_k: int = field(default=0, metadata={"doc": "0 keeps all"})
-    async_mode: AsyncMode = field(default="disabled", metadata={"doc": "disabled | async | async_with_pinned_mem"})
+    async_mode: AsyncMode = field(
+        default="disabled",
+        metadata={
+            "doc": "what a save blocks: disabled (the whole save) | async (the copy to CPU memory; a thread "
+            "writes) | async_with_pinned_mem (only its start; docs/checkpointing.md)"
+        },
+    )
     model_weights_only: bool = field(default=False, metadata={"doc": "the last save keeps the model only"})
     export_dtype: DType = field(default="float32", metadata={"doc": "dtype of a model-only save"})
     create_seed_checkpoint: bool = field(default=False, metadata={"doc": "save the initial weights and stop"})

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 # Set by a launcher that imports the trainer once and forks the ranks (recipes/forked_run.py):
 # its own age at the fork, which is the start-up and imports every rank inherits.
 FORKED_AT_AGE_ENV = "TITAN_FORKED_AT_AGE_S"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def process_age_s() -> float | None:
@@ -41,6 +44,24 @@ def exit_process(rc: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send `signum` to this process when its parent dies (Linux
+    PR_SET_PDEATHSIG), so that ranks and their agent never outlive a launcher that was killed
+    (SIGKILL, the OOM killer) or hung up; the signal then stops them as a SIGTERM from torchrun
+    does. Elsewhere a no-op. Called by the process itself, from its main thread: the kernel ties
+    the signal to the thread that forked it."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request: as if it had died after
+        os.kill(os.getpid(), signum)
 
 
 def raise_open_file_limit() -> tuple[int, int]:

@@ -3,23 +3,29 @@ folder before, around and after a run (recipes/modes.py calls it; the trainer ta
 under SLURM).
 
     <run_dir>/job.json      the resolved config the ranks read (`write_job`)
-    <run_dir>/.run.lock     the run that owns the folder (`lock`)
+    <run_dir>/.run.lock     the run that owns the folder (`lock`), flocked by it and its ranks (`hold`)
     <run_dir>/checkpoint/   what a new run resumes from (`check_resume`; core/checkpoint/folder.py)
     <run_dir>/result.json   the record, copied to <records>/<mode>/<id__>.json (`copy_record`)
 
 A run folder is owned by one run at a time: `.run.lock` names the holder (host, pid, start). The
 launcher takes it for a local run; a job submitted to SLURM takes it in its rank 0 when it starts
-(TITAN_RUN_LOCK, set by the sbatch script), so the folder is owned while it runs.
+(TITAN_RUN_LOCK, set by the sbatch script), so the folder is owned while it runs. A dead run's
+lock is taken over by the next run with a note: on the same host as soon as no process holds its
+flock, on another host once its heartbeat stops (a job resubmitted after the node died).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import os
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from core.checkpoint.folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
@@ -29,78 +35,219 @@ from core.models.args import model_args, model_shape
 
 LOCK = ".run.lock"
 RUN_LOCK_ENV = "TITAN_RUN_LOCK"  # "1": the trainer's rank 0 takes the lock of each job's folder
+HEARTBEAT_S = 30.0  # the owner touches its lock this often ...
+STALE_AFTER_S = 300.0  # ... so a lock of another host untouched this long is a dead run's
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system without flock
+_WRITER_HOLDS: list[int] = []  # this process's shared holds (a rank's), kept until it exits
+_OWNED: set[Path] = set()  # the locks this process owns (it needs no second hold of them)
 
 
 class RunDirBusy(RuntimeError):
     """The run folder is owned by another live run (exit code 2: nothing was spawned)."""
 
 
-def _pid_alive(pid: int) -> bool:
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot): a pid reused by another process has
+    another start."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _flock(fd: int, how: int) -> bool | None:
+    """flock(2) without blocking: True taken, False held by a live process, None unsupported."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+
+
+def _describe(holder: dict | None, size: int) -> str:
+    if holder is None:
+        return f"an unreadable lock file ({size} bytes)"
+    return f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}"
+
+
+def _stale_because(holder: dict | None, size: int, flocked: bool | None, age_s: float) -> str | None:
+    """Why a lock whose holder this process could not see is a dead run's, or None (live).
+    The kernel's flock answers for this host (a dead process holds no lock, a reused pid does
+    not inherit one); another host's run touches its lock every HEARTBEAT_S."""
+    what = _describe(holder, size)
+    same_host = holder is not None and holder.get("host") == socket.gethostname()
+    if flocked and (same_host or holder is None):
+        return f"{what}, held by no live process"
+    if same_host:  # no flock here: the pid, and when it started
+        pid = holder.get("pid") if holder else None
+        if isinstance(pid, int) and _start_ticks(pid) is not None and _start_ticks(pid) == holder.get("pid_start"):
+            return None
+        return f"{what}, no longer running"
+    if age_s > STALE_AFTER_S:
+        return f"{what}, untouched for {age_s / 60:.0f} min (a live run touches it every {HEARTBEAT_S:.0f} s)"
+    return None
+
+
+def _busy(run_dir: Path, path: Path, holder: dict | None, size: int, age_s: float) -> RunDirBusy:
+    what = _describe(holder, size)
+    if holder is not None and holder.get("host") not in (None, socket.gethostname()):
+        left = max(0.0, STALE_AFTER_S - age_s)
+        what += f", touched {age_s:.0f} s ago: taken over if untouched for {left:.0f} s more"
+    return RunDirBusy(f"{run_dir}: in use by another run ({what}; lock file {path}); use another --out")
+
+
+def _read_holder(fd: int) -> tuple[dict | None, int, float]:
+    """(the holder named in the lock, the file's size, seconds since it was last touched)."""
+    st = os.fstat(fd)
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode()) if st.st_size else None
+    except (OSError, ValueError):
+        holder = None
+    return (holder if isinstance(holder, dict) else None), st.st_size, time.time() - st.st_mtime
+
+
+def _open_current(path: Path) -> tuple[int, bool | None, bool]:
+    """(fd, flocked, existed): the lock file opened (made if missing) and flocked exclusively when
+    free; retried while another owner releases it (removes the file) under our feet."""
+    while True:
+        try:
+            fd, existed = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), False
+        except FileExistsError:
+            try:
+                fd, existed = os.open(path, os.O_RDWR), True
+            except FileNotFoundError:
+                continue
+        flocked = _flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd, flocked, existed
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+class _Heartbeat(threading.Thread):
+    """Touches the lock every HEARTBEAT_S while the run lives: how another host tells it alive."""
+
+    def __init__(self, path: Path):
+        super().__init__(name="run-lock-heartbeat", daemon=True)
+        self.path, self.stopped = path, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
 
 
 # ---------------------------------------------------------------------------------- the lock
 @contextlib.contextmanager
 def lock(run_dir: Path):
-    """Own `run_dir` for one run: `<run_dir>/.run.lock` names the holder (host, pid, start). A
-    second run is refused naming the holder; a lock of a dead process on this host is stale:
-    reported and taken over. Released (removed) when the block ends."""
-    lock = Path(run_dir) / LOCK
+    """Own `run_dir` for one run: `<run_dir>/.run.lock` names the holder (host, pid, start) and
+    is flocked for the run's life by the owner and every rank (`hold`), so the kernel frees it
+    when the last of them dies, however it dies. A second run is refused naming the holder while
+    any of them lives (or, on another host, while the owner touches the lock); a dead run's lock
+    is taken over with a note. Released (removed) when the block ends."""
+    path = Path(run_dir) / LOCK
+    fd, flocked, existed = _open_current(path)
+    try:
+        holder, size, age = _read_holder(fd)
+        if flocked is False:
+            raise _busy(Path(run_dir), path, holder, size, age)
+        if existed:
+            why = _stale_because(holder, size, flocked, age)
+            if why is None:
+                raise _busy(Path(run_dir), path, holder, size, age)
+            print(f"note: {path}: {why}: taken over", file=sys.stderr)  # the CLI's own line
+        me = _write_holder(fd, path, created=not existed)
+    except BaseException:
+        os.close(fd)
+        raise
+    if flocked:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # the ranks hold it shared beside us
+    heartbeat = _Heartbeat(path)
+    heartbeat.start()
+    _OWNED.add(path.resolve())
+    try:
+        yield path
+    finally:
+        _OWNED.discard(path.resolve())
+        heartbeat.stopped.set()
+        _release(fd, path, me, flocked)
+
+
+def _write_holder(fd: int, path: Path, created: bool) -> dict:
     me = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "pid_start": _start_ticks(os.getpid()),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text())
-            except (OSError, json.JSONDecodeError):
-                holder = {}
-            if (
-                holder.get("host") == me["host"]
-                and isinstance(holder.get("pid"), int)
-                and not _pid_alive(holder["pid"])
-            ):
-                print(  # stderr, not the log: the CLI's own line before anything runs
-                    f"note: {lock}: stale lock of pid {holder['pid']} on {holder['host']} (started "
-                    f"{holder.get('started', '?')}, no longer running): taken over",
-                    file=sys.stderr,
-                )
-                lock.unlink(missing_ok=True)
-                continue
-            who = (
-                f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}"
-                if holder
-                else "an unreadable lock"
-            )
-            hint = (
-                "" if holder.get("host") == me["host"] else " (another host: if that run is dead, remove the lock file)"
-            )
-            raise RunDirBusy(
-                f"{run_dir}: in use by another run ({who}; lock file {lock}){hint}; use another --out"
-            ) from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        break
-    else:
-        raise RunDirBusy(f"{run_dir}: could not take the lock {lock}")
+    data = json.dumps(me).encode()
     try:
-        yield lock
+        os.ftruncate(fd, 0)
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, "short write", str(path))
+        os.fsync(fd)
+    except OSError as e:  # a full disk: no 0-byte lock left behind to block the folder
+        if created:
+            path.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    return me
+
+
+def _release(fd: int, path: Path, me: dict, flocked: bool | None) -> None:
+    """Remove our lock unless a rank still holds it (it goes with that rank), then let go."""
+    try:
+        holder, _, _ = _read_holder(fd)
+        ours = holder is not None and holder.get("pid") == me["pid"] and holder.get("host") == me["host"]
+        if ours and flocked is not False and _flock(fd, fcntl.LOCK_EX) is not False:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
     finally:
+        os.close(fd)
+
+
+def hold(run_dir: Path, wait_s: float = 5.0) -> None:
+    """A rank writing into `run_dir` holds its lock shared until the rank exits: a launcher that
+    died cannot have its folder taken over while its ranks still write there. No lock file (a
+    run without an owner), or a file system without flock: nothing held."""
+    path = Path(run_dir) / LOCK
+    if path.resolve() in _OWNED:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    deadline = time.monotonic() + wait_s
+    while (taken := _flock(fd, fcntl.LOCK_SH)) is False and time.monotonic() < deadline:
+        time.sleep(0.05)  # the owner is between its exclusive check and its shared hold
+    if taken:
+        _WRITER_HOLDS.append(fd)
+    else:
+        os.close(fd)
+
+
+def lock_for_job(folders: list[Path], owned: contextlib.ExitStack) -> None:
+    """In a job's ranks (SLURM: no launcher owns the folders): rank 0 takes each folder's lock,
+    held until `owned` closes; every rank learns whether it could, and raises RunDirBusy alike
+    when not."""
+    import torch.distributed as dist  # here: the launcher imports this module without torch
+
+    busy: list[str | None] = [None]
+    if dist.get_rank() == 0:
         try:
-            if json.loads(lock.read_text()).get("pid") == me["pid"]:
-                lock.unlink()
-        except (OSError, json.JSONDecodeError):
-            pass
+            for folder in folders:
+                owned.enter_context(lock(folder))
+        except RunDirBusy as e:
+            busy = [str(e)]
+    dist.broadcast_object_list(busy, src=0)
+    if busy[0] is not None:
+        raise RunDirBusy(busy[0])
 
 
 # ------------------------------------------------------------------------- making and claiming

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core import cpu_gemm
+from core import cpu_gemm, run_folder
 from core.build import build_model, with_attention_dtype
 from core.checkpoint.checkpointer import Checkpointer
 from core.checkpoint.folder import CheckpointError
@@ -56,9 +56,9 @@ from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
-from core.process import exit_process, process_age_s
+from core.process import die_with_parent, exit_process, process_age_s
 from core.result import TrainOutcome, local_state_bytes, pp_record, result_record, write_result
-from core.run_folder import RUN_LOCK_ENV, RunDirBusy, lock
+from core.run_folder import RUN_LOCK_ENV, RunDirBusy
 from core.step import TrainStep, pipeline_loss
 from core.step_hooks import GCAtSteps, StepProfiler
 from core.toggles import compile_cache
@@ -448,6 +448,7 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # an agent (torchrun) that dies takes its ranks with it
     startup_s = {"process_start_and_imports": process_age_s()}
     quiet_library_warnings()
     try:
@@ -465,12 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     startup_s["init_distributed"] = time.perf_counter() - t0  # the rendezvous: waits for the slowest rank
     try:
         with contextlib.ExitStack() as owned:
-            if os.environ.get(RUN_LOCK_ENV) == "1" and dist.get_rank() == 0:  # a SLURM job owns its folders
-                for c in cfgs:
-                    owned.enter_context(lock(Path(c.job.output_dir)))
+            folders = [Path(c.job.output_dir) for c in cfgs]
+            if os.environ.get(RUN_LOCK_ENV) == "1":  # a SLURM job owns its folders: rank 0 takes them
+                run_folder.lock_for_job(folders, owned)
+            for folder in folders:  # every rank writes there: the folder is not free while one lives
+                run_folder.hold(folder)
             run_jobs(cfgs, startup_s)
     except RunDirBusy as e:  # another run holds a folder: nothing of this job ran
-        log.error(f"error: {e}")
+        if dist.get_rank() == 0:
+            log.error(f"error: {e}")
         return 2
     except (CheckpointError, NonFiniteError, CorpusError) as e:
         # the project's own failures: raised alike on every rank, said once, in one line

@@ -1,7 +1,7 @@
-"""Every check of a JobConfig, before anything spawns: enum values (from the `Literal` annotations
-of core/config.py), degrees against the world, the model shape, the pipeline split, toggle
-combinations, value ranges and (optionally) the files named. Errors name the key.
-`validate()` returns a checked copy and never changes its input."""
+"""Every check of a JobConfig, before anything spawns: enum values (`key_choices()`: the model
+flavors and the `Literal` annotations of core/config.py), degrees against the world, the model
+shape, the pipeline split, toggle combinations, value ranges and (optionally) the files named.
+Errors name the key. `validate()` returns a checked copy and never changes its input."""
 
 from __future__ import annotations
 
@@ -25,13 +25,26 @@ def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: {value!r} is not one of: {', '.join(valid)}")
 
 
-def check_choices(cfg: JobConfig) -> None:
-    """Every `Literal[...]`-typed field against its annotation, in the config's field order."""
+def key_choices() -> dict[str, tuple[str, ...]]:
+    """ "section.key" -> the values validate() accepts, for every key with a fixed set of them:
+    model.flavor (the FLAVORS of core.models.args) and each `Literal[...]`-typed field, in the
+    config's field order. `run-recipe keys` lists them from here, so they never drift."""
+    out: dict[str, tuple[str, ...]] = {}
     for section in dataclasses.fields(JobConfig):
-        obj = getattr(cfg, section.name)
-        for key, typ in field_types(type(obj)).items():
-            if typing.get_origin(typ) is Literal:
-                _one_of(f"{section.name}.{key}", getattr(obj, key), typing.get_args(typ))
+        for key, typ in field_types(field_types(JobConfig)[section.name]).items():
+            name = f"{section.name}.{key}"
+            if name == "model.flavor":
+                out[name] = tuple(FLAVORS)
+            elif typing.get_origin(typ) is Literal:
+                out[name] = typing.get_args(typ)
+    return out
+
+
+def check_choices(cfg: JobConfig) -> None:
+    """Every key of `key_choices()` against its values, in the config's field order."""
+    for name, valid in key_choices().items():
+        section, key = name.split(".")
+        _one_of(name, getattr(getattr(cfg, section), key), valid)
 
 
 def _degrees(p: Parallelism, world_size: int | None) -> tuple[int, int]:
@@ -134,8 +147,6 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     """Every check that needs no process group; ConfigError naming the key. Returns a checked copy
     with the world resolved (parallelism.dp_shard = -1 filled, parallelism.world_size set); `cfg`
     itself is not changed."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor: {cfg.model.flavor!r} is not one of: {', '.join(FLAVORS)}")
     check_choices(cfg)
     sac = cfg.activation_checkpoint.selective_ac_option
     if sac != "op" and not (sac.isdigit() and int(sac) >= 1):

@@ -12,6 +12,7 @@ code that imports this module.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import shlex
@@ -19,10 +20,12 @@ import sys
 from pathlib import Path
 
 import click
+import tomllib
 from tabulate import tabulate
 
 from core import run_folder
 from core.config import ConfigError, JobConfig, field_docs, flatten_keys
+from core.validate import key_choices
 from recipes import hardware_check, launcher, modes, options, output, paths, registry
 from recipes.report.readme import recipe_table
 from recipes.schema import MODES, TABLES, RecipeError
@@ -72,6 +75,7 @@ SKIP_BAD_HELP = (
     "without it such a record stops the command before any table is written."
 )
 EXIT_FAILED, EXIT_CONFIG, EXIT_CANNOT = modes.EXIT_FAILED, modes.EXIT_CONFIG, modes.EXIT_CANNOT
+DISTRIBUTION = "titan-recipes"  # pyproject's [project] name: `run-recipe --version` prints its version
 
 
 class RecipeGroup(click.Group):
@@ -93,11 +97,12 @@ class RecipeGroup(click.Group):
         return cmd
 
     def format_commands(self, ctx, formatter):
-        """`--help` lists the extensions by their stored line, without importing them."""
+        """`--help` lists the extensions by their stored line, without importing them; each
+        command's line is its docstring's first sentence, whole (click cuts it at 45 characters)."""
         rows = []
         for name in self.list_commands(ctx):
             if name in self.commands or name not in EXTENSIONS:
-                rows.append((name, self.get_command(ctx, name).get_short_help_str(limit=80)))
+                rows.append((name, self.get_command(ctx, name).get_short_help_str(limit=sys.maxsize)))
             else:
                 rows.append((name, EXTENSIONS[name][1]))
         if rows:
@@ -120,7 +125,16 @@ def _select(ids, table) -> list:
     return chosen
 
 
+def project_version() -> str:
+    """The installed distribution's version, else (a checkout run without installing) pyproject's."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return tomllib.loads((paths.PACKAGE_ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
 @click.group(cls=RecipeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(project_version(), "--version", prog_name="run-recipe", message="%(prog)s %(version)s")
 def main():
     """Titan Recipes: the TorchTitan paper's tables as runnable recipe rows.
 
@@ -176,18 +190,21 @@ def _visible_gpus() -> int:
 @main.command("keys")
 @click.argument("pattern", required=False, default="")
 def keys_cmd(pattern):
-    """Every config key `--set` accepts, with its default and what it means (PATTERN filters)."""
+    """Every config key `--set` accepts: its default, allowed values and meaning.
+
+    The allowed values where they are a fixed set: the model flavors and the `Literal` types of
+    core/config.py. PATTERN keeps the keys that contain it."""
     defaults = flatten_keys(JobConfig().to_dict())
+    choices = key_choices()
     rows = [
-        [k, _short(defaults.get(k)), doc]
+        [k, _short(defaults.get(k)), ", ".join(choices.get(k, ())), doc]
         for k, doc in field_docs().items()
         if pattern in k and k not in registry.CLI_OWNED_KEYS  # set by --mode, the id, --out
     ]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
-    click.echo(
-        tabulate(rows, headers=["key", "default", "meaning"], disable_numparse=True, maxcolwidths=[None, 30, 80])
-    )
+    headers = ["key", "default", "choices", "meaning"]
+    click.echo(tabulate(rows, headers=headers, disable_numparse=True, maxcolwidths=[None, 24, 22, 64]))
 
 
 @main.command("show")

@@ -25,9 +25,12 @@ import sys
 import uuid
 import warnings
 
+from core.process import die_with_parent
+
 
 def _run_module_as_main(module: str, argv: list[str]) -> None:
-    """What `python -m module argv...` does, in a forked rank."""
+    """What `python -m module argv...` does, in a forked rank (stopped if the agent dies)."""
+    die_with_parent()
     sys.argv = [module, *argv]
     with warnings.catch_warnings():  # "found in sys.modules": imported on purpose, by the parent
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -38,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
+    die_with_parent()  # a launcher killed outright takes its agent, and so its ranks, with it
     args = parse_args(argv)
     if not (args.module and args.standalone):
         sys.exit("recipes.forked_run: runs `--standalone ... -m MODULE` only (one node); use torchrun otherwise")

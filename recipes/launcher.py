@@ -4,7 +4,7 @@ process. The machine check: recipes/hardware_check.py; the multi-node command an
 script: recipes/multinode.py; a row's config: recipes/registry.py `resolve_config`; its run
 folder (made, owned, checked for a resume, its job and record): core/run_folder.py.
 
-Nothing here trains: every run is `python -m torch.distributed.run ... -m core.train --config
+Nothing here trains: every run is torchrun (`python -m recipes.agent ...`) `-m core.train --config
 <run_dir>/job.json`, and the trainer writes `<run_dir>/result.json` (the record).
 """
 
@@ -54,9 +54,10 @@ def torchrun_command(
     """The one place a torchrun command is built. `target`: what each rank runs, e.g.
     `["-m", "core.train", "--config", path]` or a script and its arguments. One node without a
     rendezvous endpoint: `--standalone`; else a c10d rendezvous at `rdzv_endpoint`. `exe`: a
-    torchrun executable (multi-node, sbatch); default `python -m torch.distributed.run` of
-    this interpreter. `max_restarts`: torchrun's agent restarts the whole group when a rank
-    dies; the trainer resumes from its latest complete checkpoint (checkpoint.enabled).
+    torchrun executable (multi-node, sbatch); default torchrun's own agent in this interpreter,
+    tethered to this process (`python -m recipes.agent`: it stops when we die). `max_restarts`:
+    torchrun's agent restarts the whole group when a rank dies; the trainer resumes from its
+    latest complete checkpoint (checkpoint.enabled).
     `launcher_args`: more torchrun options, after the rank counts (e.g. `--numa-binding=node`).
     `forked` (proxy runs: one node, `-m MODULE` target): the same options to recipes/forked_run.py,
     torchrun's agent with the ranks forked from a process that has imported MODULE once."""
@@ -65,7 +66,7 @@ def torchrun_command(
             raise ValueError("a forked launch is one node, --standalone, of a `-m MODULE` target")
         exe_args = [sys.executable, "-u", "-m", "recipes.forked_run"]
     else:
-        exe_args = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+        exe_args = [exe] if exe else [sys.executable, "-m", "recipes.agent"]  # torchrun, tethered
     cmd = list(exe_args)
     if rdzv_endpoint is None:
         cmd.append("--standalone")

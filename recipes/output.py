@@ -24,8 +24,9 @@ SEPARATOR = "===== run-recipe: a new launch"  # starts the line that opens each 
 STOP_GRACE_S = 30.0  # torchrun's agent stops its ranks on SIGTERM; after this the group is killed
 
 
-class Stopped(Exception):
-    """The launcher was asked to stop (SIGINT / SIGTERM); the launch was stopped with it."""
+class Stopped(BaseException):
+    """The launcher was asked to stop (SIGINT, SIGTERM, SIGHUP); the launch was stopped with it.
+    A BaseException, as KeyboardInterrupt: no `except Exception` on the way may swallow it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -34,24 +35,39 @@ class Stopped(Exception):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """SIGTERM raises Stopped (as Ctrl-C raises KeyboardInterrupt) so that the launch is stopped,
-    locks released and one line said; the previous handler comes back after."""
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session) raise Stopped, so that the
+    launch is stopped, locks released and one line said; the previous handlers come back after.
+    Installed whatever this process inherited: a launcher started in the background of a
+    non-interactive shell inherits SIGINT ignored, and would never hear it; only SIGHUP ignored
+    on purpose (nohup) stays ignored. Once stopping, further signals wait for the stop to end."""
+    stopping = False
 
     def handler(signum, frame):
-        raise Stopped(signum)
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise Stopped(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {}
+    for signum in STOP_SIGNALS:
+        if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+            continue
+        previous[signum] = signal.signal(signum, handler)
     try:
         yield
     except KeyboardInterrupt:
         raise Stopped(signal.SIGINT) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, before in previous.items():
+            signal.signal(signum, before)
 
 
 def _open_log(path: Path):

@@ -193,7 +193,7 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
 
 def test_launch_command_and_env(monkeypatch):
     cmd = modes.RealMode().command(4, [Path("/x/job.json")])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "recipes.agent"]  # torchrun, tethered to the launcher
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-4:] == ["-m", "core.train", "--config", "/x/job.json"]
     proxy = modes.PROXY.command(4, [Path("/x/job.json")])  # the same options, ranks forked
@@ -219,7 +219,7 @@ def test_one_torchrun_command_builder():
     assert local == [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "recipes.agent",
         "--standalone",
         "--nnodes=1",
         "--nproc_per_node=2",
@@ -348,20 +348,6 @@ def test_e2e_proxy_run_of_a_table1_row(tmp_path):
     assert (out / "job.json").is_file() and (out / "train.log").is_file()
     record_line = [line for line in proc.stdout.splitlines() if line.startswith("record: ")]
     assert record_line and "->" not in record_line[0]  # with --out the record stays in --out
-
-
-def test_keys_lists_every_config_key_with_its_meaning():
-    from core.config import field_docs
-
-    res = invoke("keys")
-    assert res.exit_code == 0, res.output
-    docs = field_docs()
-    assert all(doc for doc in docs.values()), [k for k, d in docs.items() if not d]
-    for key in ("optimizer.lr", "parallelism.pp_schedule", "activation_checkpoint.mode"):
-        assert key in res.output
-    assert "peak learning rate" in invoke("keys", "optimizer.lr").output
-    bad = invoke("keys", "no_such_key")
-    assert bad.exit_code == 2 and "no config key contains" in bad.output
 
 
 def test_show_explains_the_keys_it_lists():

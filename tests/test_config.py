@@ -4,15 +4,16 @@ import copy
 import dataclasses
 import gzip
 import json
+import re
 import typing
 
 import pytest
 
 from core.config import ConfigError, JobConfig, field_docs, load_config
-from core.models.args import model_args
+from core.models.args import FLAVORS, model_args
 from core.overrides import parse_override
 from core.parallel.stages import PP_SCHEDULES
-from core.validate import check_choices, resolve_world_size, validate
+from core.validate import check_choices, key_choices, resolve_world_size, validate
 
 pytestmark = pytest.mark.core
 
@@ -163,7 +164,8 @@ def _choice_fields():
 
 
 def test_enum_fields_are_checked_from_their_type():
-    fields = dict(_choice_fields())
+    fields = {"model.flavor": tuple(FLAVORS), **dict(_choice_fields())}
+    assert key_choices() == fields  # what `run-recipe keys` lists is what validate() accepts
     assert len(fields) >= 15
     assert fields["parallelism.pp_schedule"] == PP_SCHEDULES
     assert fields["job.mode"] == ("real", "proxy", "dry-run")
@@ -196,6 +198,17 @@ def test_every_field_has_a_doc():
     empty = [k for k, d in docs.items() if not d.strip() or "\n" in d]
     assert not empty, f"fields without a one-line doc: {empty}"
     assert "-1 fills" in docs["parallelism.dp_shard"]
+
+
+def test_a_doc_that_explains_its_values_explains_every_one():
+    """A key's doc that names one of its allowed values names them all: a doc cut short (as
+    data.sharding's "auto: per_rank if real" once was) leaves the others unexplained."""
+    docs, cut = field_docs(), {}
+    for key, valid in key_choices().items():
+        named = {v for v in valid if re.search(rf"(?<![\w-]){re.escape(v)}(?![\w-])", docs[key])}
+        if named and named != set(valid):
+            cut[key] = sorted(set(valid) - named)
+    assert not cut, f"docs that explain some of their key's values but not these: {cut}"
 
 
 def test_model_shape_overrides_validate():

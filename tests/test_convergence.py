@@ -10,6 +10,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -89,6 +90,45 @@ def test_outputs_csv_png_and_markdown(tmp_path):
     assert df["step"].tolist() == list(range(1, 201))
     assert (tmp_path / "loss_convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"tolerance {curves.TOLERANCE:g} nats" in md and "3 of 3 N-D layouts within tolerance" in md
+
+
+def test_check_lists_each_skipped_toggle_once_under_its_table():
+    """A toggle skipped in several rows, for one reason, is one line under the check's table
+    naming the rows (it was a wide column repeating the reason per row)."""
+    recs = _records({})
+    why = "AsyncTP needs CUDA GPUs"
+    nd = [rid for rid in IDS if rid != BASE]
+    for rid in nd[:2]:
+        recs[rid]["toggles_skipped"] = {"async_tp": why}
+    md = curves.markdown(recs, curves.check(recs))
+    assert md.count(why) == 1
+    assert f"- async_tp: {why} ({curves.column(nd[0])}, {curves.column(nd[1])})" in md
+    assert "toggles skipped" not in md
+
+
+@pytest.mark.parametrize("steps", [10, 200])
+def test_plot_shows_every_run_and_every_point(steps):
+    """The loss panel and the difference panel (each N-D run minus the control) span every point
+    drawn on them, a 10-step run's first steps included; each run has its own style and marker,
+    so runs that overlap, as they should, all show."""
+    recs = _records({IDS[1]: 0.02}, steps=steps)
+    fig = curves.figure(recs, curves.check(recs))
+    try:
+        loss, diff = fig.axes
+        assert "− 1D" in diff.get_ylabel()
+        for ax in (loss, diff):
+            (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+            data = [line for line in ax.get_lines() if line.get_transform() is ax.transData]
+            for line in data:
+                x, y = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+                assert ((x0 <= x) & (x <= x1)).all() and ((y0 <= y) & (y <= y1)).all(), (ax.get_ylabel(), steps)
+        runs = [line for line in loss.get_lines() if not line.get_label().startswith("_")]
+        assert len(runs) == len(IDS) and len({(ln.get_linestyle(), ln.get_marker()) for ln in runs}) == len(IDS)
+        shifted = [line for line in diff.get_lines() if line.get_transform() is diff.transData]
+        assert len(shifted) == len(IDS) - 1  # one difference per N-D run
+        assert any(np.nanmean(line.get_ydata()) == pytest.approx(0.02, abs=0.01) for line in shifted)
+    finally:
+        curves.plt.close(fig)
 
 
 def test_prefix_stays_inside_warmup():

@@ -376,3 +376,25 @@ def test_plan_command():
     assert "paper (llama3_8b/table1/8gpu_fsdp): the same layout." in res.output
     bad = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "0"])
     assert bad.exit_code != 0
+
+
+@pytest.mark.parametrize(
+    ("options", "memory"),
+    [
+        ([], "80 GiB, the default without --gpu (an 80 GB H100's); h100_96gb_hbm2e_500w, the spec the speeds are"),
+        (["--gpu-mem", "95"], "95 GiB (--gpu-mem)"),
+        (["--gpu", "h100_sxm_80gb"], "79 GiB, h100_sxm_80gb's capacity (--gpu)"),
+    ],
+)
+def test_plan_table_states_the_memory_it_sizes_with(options, memory):
+    """The line right above the table names the GiB per GPU and where it comes from (the default
+    80 is not the default spec's 95), and the memory column says what it is compared with."""
+    from recipes.cli import main
+
+    res = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "8", "--top", "2", *options])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  layout"))
+    assert lines[header - 1].startswith(f"Memory per GPU: {memory}")
+    gib = memory.split(" GiB")[0]
+    assert f"est. GiB (of {gib})" in lines[header]

@@ -8,12 +8,14 @@ checkpoint faults are tests/test_faults.py; the multi-process case here is `slow
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,21 +43,94 @@ def test_second_run_on_a_locked_folder_is_refused(tmp_path, no_spawn):
     assert not (out / run_folder.LOCK).exists()  # released
 
 
+def _lock_file(folder: Path, age_s: float = 0.0, **holder) -> Path:
+    path = folder / run_folder.LOCK
+    path.write_text(json.dumps(holder) if holder else "")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
 def test_stale_lock_is_reported_and_taken_over(tmp_path, capsys):
+    """A dead process's lock on this host, and a pid since reused by a live process: the kernel's
+    flock says no process holds either."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / run_folder.LOCK).write_text(
-        json.dumps({"host": run_folder.socket.gethostname(), "pid": dead.pid, "started": "2026-01-01T00:00:00+00:00"})
-    )
-    with run_folder.lock(tmp_path) as lock:
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-    assert f"stale lock of pid {dead.pid}" in capsys.readouterr().err
-    (tmp_path / run_folder.LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
-    with (
-        pytest.raises(run_folder.RunDirBusy, match=r"pid 1 on host elsewhere.*remove the lock file"),
-        run_folder.lock(tmp_path),
-    ):
+    for pid in (dead.pid, os.getppid()):  # gone; alive, but holding nothing
+        _lock_file(tmp_path, host=run_folder.socket.gethostname(), pid=pid, started="2026-01-01T00:00:00+00:00")
+        with run_folder.lock(tmp_path) as lock:
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert f"pid {pid} on host" in (err := capsys.readouterr().err) and "held by no live process: taken over" in err
+
+
+def test_a_lock_left_on_another_host_is_taken_over_once_untouched(tmp_path, capsys):
+    """A job resubmitted after its node died: the lock names a host that no longer exists. Taken
+    over with a note once its heartbeat stopped (an hour here); refused while it is fresh."""
+    _lock_file(tmp_path, 3600, host="node-gone-17", pid=4242, started="2026-11-27T03:00:00+00:00")
+    with run_folder.lock(tmp_path):
         pass
+    err = capsys.readouterr().err
+    assert "pid 4242 on host node-gone-17" in err and "untouched for 60 min" in err and "taken over" in err
+    _lock_file(tmp_path, 20, host="node-alive-3", pid=4242, started="x")
+    busy = r"pid 4242 on host node-alive-3.*touched 20 s ago: taken over if"
+    with pytest.raises(run_folder.RunDirBusy, match=busy), run_folder.lock(tmp_path):
+        pass
+
+
+def test_an_empty_lock_names_itself_and_a_full_disk_leaves_none(tmp_path, capsys, monkeypatch):
+    _lock_file(tmp_path)  # 0 bytes: a claim that ran out of disk
+    with run_folder.lock(tmp_path):
+        pass
+    assert "an unreadable lock file (0 bytes), held by no live process: taken over" in capsys.readouterr().err
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_folder.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left"), run_folder.lock(tmp_path):
+        pass
+    assert not (tmp_path / run_folder.LOCK).exists()
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from core import run_folder
+folder = Path(sys.argv[1])
+if sys.argv[2] == "own":
+    with run_folder.lock(folder):
+        print("held", flush=True)
+        time.sleep(600)
+else:
+    run_folder.hold(folder)
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _holder(folder: Path, how: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(folder), how], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_run_or_a_rank_of_a_killed_launcher_keeps_the_folder(tmp_path, capsys):
+    """A live owner is refused by name; killed outright (SIGKILL: no cleanup) while one of its
+    ranks still holds the folder, the folder stays refused; once the rank is gone, taken over."""
+    owner = _holder(tmp_path, "own")
+    with pytest.raises(run_folder.RunDirBusy, match=f"pid {owner.pid} on host"), run_folder.lock(tmp_path):
+        pass
+    rank = _holder(tmp_path, "hold")
+    owner.kill()
+    owner.wait()
+    with pytest.raises(run_folder.RunDirBusy, match=f"pid {owner.pid}"), run_folder.lock(tmp_path):
+        pass
+    rank.kill()
+    rank.wait()
+    with run_folder.lock(tmp_path):
+        pass
+    assert f"pid {owner.pid} on host" in capsys.readouterr().err
 
 
 def test_concurrent_record_writers_never_tear(tmp_path):

@@ -175,7 +175,13 @@ def test_gpu_file_is_taken_where_a_spec_name_is(tmp_path):
     assert record["predicted"]["gpu"] == "measured_test_cpu" and record["predicted"]["step_time_s"] > 0
     res = CliRunner().invoke(plan, ["--model", "8B", "--gpus", "8", "--gpu", str(path), "--json"])
     assert res.exit_code == 0, res.output
-    assert {r["gpu"] for r in json.loads(res.output)} == {"measured_test_cpu"}
+    ranked = json.loads(res.output)
+    assert {r["gpu"] for r in ranked} == {"measured_test_cpu"}
+    # a CPU predicts under one token/s per GPU for 8B: printed with its significant digits, not as 0
+    assert 0 < ranked[0]["tokens_per_sec_per_gpu"] < 1
+    res = CliRunner().invoke(plan, ["--model", "8B", "--gpus", "8", "--gpu", str(path), "--top", "1"])
+    row = next(line for line in res.output.splitlines() if line.lstrip().startswith("1  "))
+    assert f" {ranked[0]['tokens_per_sec_per_gpu']:.3g} " in row, row
 
 
 # ------------------------------------------------------------------------------------ refusals

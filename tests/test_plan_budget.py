@@ -4,6 +4,7 @@ and layout that finish a token budget in time, its refusals, its monotonicity, i
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
 from recipes.plan.budget import MAX_GPUS, TOKENS, Setup, fastest_tokens_per_gpu, search
 from recipes.plan.layouts import best_at, candidates, plan
+from recipes.plan.report import days_text
 
 pytestmark = pytest.mark.perfmodel
 
@@ -75,6 +77,40 @@ def test_the_answer_is_plans_first_layout_and_the_smallest_count():
     assert res.exit_code == 0 and out["gpus"] == n and out["nodes"] == n // 8 and out["finishes"]
     assert out["gpu_hours"] == pytest.approx(out["predicted_days"] * 24 * n, rel=1e-3)
     assert "mean absolute error" in out["error_band"] and out["layout"] == c.layout()
+
+
+@pytest.mark.parametrize(
+    ("days", "budget", "shown"),
+    [
+        (30.04, 30, "30.04"),  # a miss never reads as the budget itself
+        (29.96, 30, "30.0"),  # a hit may: 30.0 is within 30 days
+        (29.954, 29.955, "29.95"),  # a hit never reads as over
+        (30.00001, 30, "30.0001"),  # past four decimals a miss rounds up
+        (67.6, 30, "67.6"),
+    ],
+)
+def test_days_read_on_their_side_of_the_budget(days, budget, shown):
+    assert days_text(days, budget) == shown
+    for d in (budget * (1 + k / 1e5) for k in range(-400, 401)):
+        assert (float(days_text(d, budget)) <= budget) == (d <= budget), d
+
+
+def test_every_count_tried_prints_on_its_side_of_the_budget():
+    """70B, 2T tokens, 30 days: each count's printed days are within the budget only when its
+    predicted days are (1,712 GPUs' 30.05 days once printed as '30.0' above the 1,728 chosen)."""
+    args = ["--model", "70B", "--tokens", "2T", "--days", "30"]
+    searched = {
+        r["gpus"]: r["days"] for r in json.loads(CliRunner().invoke(plan, [*args, "--json"]).output)["searched"]
+    }
+    res = CliRunner().invoke(plan, args)
+    assert res.exit_code == 0, res.output
+    printed = {
+        int(m.group(1).replace(",", "")): float(m.group(2))
+        for m in re.finditer(r"^ +([\d,]+) GPUs: .*, ([\d.]+) days$", res.output, flags=re.MULTILINE)
+    }
+    assert set(printed) == {g for g, d in searched.items() if d is not None}
+    wrong = {g: (printed[g], searched[g]) for g in printed if (printed[g] <= 30) != (searched[g] <= 30)}
+    assert not wrong, f"days printed on the wrong side of the budget: {wrong}"
 
 
 def test_the_bound_is_never_beaten():

@@ -5,7 +5,6 @@ one hub check per node."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -86,14 +85,11 @@ def test_slurm_warns_when_the_run_folder_is_node_local(tmp_path):
 def test_the_job_takes_the_run_folder_lock(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / run_folder.LOCK).write_text(
-        json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "2026-11-25T00:00:00+00:00"})
-    )
-    proc = _trainer(f"--job.output_dir={out}", env={run_folder.RUN_LOCK_ENV: "1"})
+    with run_folder.lock(out):  # a live run owns the folder: every rank of the job stops
+        proc = _trainer(f"--job.output_dir={out}", env={run_folder.RUN_LOCK_ENV: "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"in use by another run (pid {os.getpid()}" in proc.stderr
     assert not (out / "result.json").exists()
-    (out / run_folder.LOCK).unlink()
     proc = _trainer(f"--job.output_dir={out}", env={run_folder.RUN_LOCK_ENV: "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "result.json").is_file() and not (out / run_folder.LOCK).exists()  # released at the end

@@ -14,7 +14,7 @@ import pytest
 
 from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
 from recipes import registry
-from recipes.report import figures, results, table_data
+from recipes.report import figures, loss_curves, results, table_data
 
 pytestmark = pytest.mark.dryrun
 
@@ -25,6 +25,7 @@ T3_INTER = "llama3_405b/table3/512gpu_3d_interleaved_1f1b"
 T1_BASE, T1_F8 = "llama3_8b/table1/8gpu_fsdp", "llama3_8b/table1/8gpu_fsdp_compile_float8"
 T1_COMP, T1_128 = "llama3_8b/table1/8gpu_fsdp_compile", "llama3_8b/table1/128gpu_fsdp"
 T4_CP1, T4_CP2 = "long_context/table4/8b_fsdp8_cp1_32k", "long_context/table4/8b_fsdp4_cp2_64k"
+LC_1D, LC_2D = "llama3_8b/loss_convergence/1d_fsdp8", "llama3_8b/loss_convergence/2d_fsdp8_cp8"
 CAL_NOTE = (
     "two constants fitted (core/dryrun/calibrate.py), every other one cited: compute.clock_fraction on "
     f"{T1_COMP}, efficiency.flash_attention_bwd on {T4_CP1}"
@@ -170,8 +171,7 @@ def made(tmp_path):
             toggles_applied=["float8", "compile", "fsdp"],
         ),
     )
-    for name in ("1d_fsdp8", "2d_fsdp8_cp8"):  # two loss-convergence curves -> csv + png + check
-        rid = f"llama3_8b/loss_convergence/{name}"
+    for rid in (LC_1D, LC_2D):  # two loss-convergence curves -> csv + png + check
         _write(rec, "proxy", _rec(rid, 100.0, config=registry.get(rid).job_config("proxy").to_dict()))
     out = tmp_path / "results"
     out.mkdir()
@@ -239,9 +239,10 @@ def test_index_links_tables_and_other_results(made):
 
 
 def _md_table(md: str) -> tuple[list[str], dict[str, list[str]]]:
-    """The first Markdown table of a file: its headers and {row label: cells}."""
+    r"""The first Markdown table of a file: its headers and {row label: cells} (`\|` is a `|` in a
+    cell, as GitHub reads it; a bare `|` ends the cell)."""
     lines = [ln for ln in md.splitlines() if ln.startswith("|")]
-    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    cells = [[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", ln[1:-1])] for ln in lines]
     end = next((i for i, c in enumerate(cells[2:], 2) if len(c) != len(cells[0])), len(cells))
     return cells[0], {c[0]: c for c in cells[2:end]}
 
@@ -277,6 +278,33 @@ def test_compact_table_reads_at_a_glance(made):
     assert "- **does not fit its GPU** (predicted anyway): FSDP 4, CP 2, seq 65,536" in t4
     assert "No row of this table was used: every figure here is a prediction" in (out / "table3.md").read_text()
     assert "no dry-run record with a prediction" in (out / "table2.md").read_text()
+
+
+def test_loss_convergence_table_reads_at_a_glance(made):
+    """The table of loss_convergence.md: what each row ran, its steps, final loss and its check
+    against the 1D control; every other column stays in loss_convergence_table.csv, the check's
+    columns appended after the table's own."""
+    out, _ = made
+    md = (out / "loss_convergence.md").read_text()
+    for block in re.findall(r"(?:^\|.*\n)+", md, flags=re.MULTILINE):  # GitHub: a header cell per column
+        assert len({len(re.findall(r"(?<!\\)\|", line)) for line in block.splitlines()}) == 1, block
+    headers, body = _md_table(md)
+    assert headers == list(loss_curves.COMPACT.values()) and len(headers) <= 8
+    assert len(body) == len(loss_curves.rows())
+    col = {h: i for i, h in enumerate(headers)}
+    check = loss_curves.COMPACT[loss_curves.VERDICT]
+    control, cp = body[loss_curves.control().row], body[registry.get(LC_2D).row]
+    assert control[col["layout run"]] == "1D FSDP 2" and control[col[check]] == "control"
+    assert cp[col["layout run"]] == "2D FSDP 2 x CP 2" and cp[col[check]] == "pass"
+    assert (cp[col["mode"]], cp[col["steps"]], cp[col["final loss"]]) == ("proxy", "3", "7.0000")
+    figure = loss_curves.COMPACT[loss_curves.CHECK_FIGURE]
+    assert float(cp[col[figure]]) == 0.0 and control[col[figure]] == ""
+    no_record = body[registry.get("llama3_8b/loss_convergence/3d_fsdp8_tp2_pp2").row]
+    assert all(cell == "" for cell in no_record[1:])
+    csv = pd.read_csv(out / "loss_convergence_table.csv")
+    assert list(csv.columns)[-3:] == [loss_curves.LAYOUT, loss_curves.CHECK_FIGURE, loss_curves.VERDICT]
+    assert {"ours hardware", "ours versions", "predicted TPS/GPU", "recipe"} <= set(csv.columns)
+    assert list(csv.set_index("recipe").loc[[LC_1D, LC_2D], loss_curves.VERDICT]) == ["control", "pass"]
 
 
 def test_predicted_columns_and_errors_in_the_csv(made):

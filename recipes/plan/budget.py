@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from recipes.plan.report import days_text, rate_json, rate_text
+
 if TYPE_CHECKING:  # type names only
     from core.dryrun.gpuspec import GPUSpec
     from recipes.plan.candidate import Candidate
@@ -186,7 +188,7 @@ def search(setup: Setup, tokens: float, days: float, best_at: Callable[[Setup, i
             hi = max_nodes
         else:
             return Answer(
-                tokens, days, None, sorted(s.tried.values(), key=lambda r: r.gpus), _why_not(s, memory, bound)
+                tokens, days, None, sorted(s.tried.values(), key=lambda r: r.gpus), _why_not(s, memory, bound, days)
             )
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -194,7 +196,7 @@ def search(setup: Setup, tokens: float, days: float, best_at: Callable[[Setup, i
     return Answer(tokens, days, s.at(hi), sorted(s.tried.values(), key=lambda r: r.gpus))
 
 
-def _why_not(s: Search, memory_bound: int, bound_nodes: int) -> str:
+def _why_not(s: Search, memory_bound: int, bound_nodes: int, budget_days: float) -> str:
     largest = max(s.tried.values(), key=lambda r: r.gpus, default=None)
     state = f"{s.setup.model}'s weights, gradients and AdamW states ({STATE_BYTES_PER_PARAM} bytes per parameter)"
     if memory_bound > MAX_GPUS:
@@ -211,7 +213,7 @@ def _why_not(s: Search, memory_bound: int, bound_nodes: int) -> str:
         )
     return (
         f"time: at {largest.gpus:,} GPUs (the largest tried) the fastest layout, {largest.best.layout()}, "
-        f"needs {largest.days:.1f} days"
+        f"needs {days_text(largest.days, budget_days)} days"
     )
 
 
@@ -250,7 +252,7 @@ def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
             local_batch=c.local_batch,
             global_batch_tokens=c.local_batch * c.degrees["dp_shard"] * setup.seq,
             estimate_gib=round(c.estimate_gib, 2),
-            tokens_per_sec_per_gpu=round(c.tps, 1),
+            tokens_per_sec_per_gpu=rate_json(c.tps),
             mfu=round(c.predicted["mfu"], 4) if c.predicted else None,
             predicted_days=round(a.found.days, 2),
             gpu_hours=round(a.found.days * 24 * n),
@@ -259,9 +261,15 @@ def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
 
 
 def budget_command(
-    setup: Setup, tokens: float, days: float, as_json: bool, best_at: Callable[[Setup, int], Candidate | None]
+    setup: Setup,
+    tokens: float,
+    days: float,
+    as_json: bool,
+    best_at: Callable[[Setup, int], Candidate | None],
+    memory: str = "",
 ) -> None:
-    """Search and print the answer (text or JSON); exit 1 when nothing finishes in time."""
+    """Search and print the answer (text or JSON); exit 1 when nothing finishes in time. `memory`:
+    the line saying the GiB per GPU the layouts are sized with and where it comes from."""
     import json
     import sys
     import time
@@ -276,11 +284,12 @@ def budget_command(
     band, frac = _band(setup.spec.name)
     click.echo(
         f"Llama 3.1 {setup.model}, {tokens:.4g} tokens in at most {days:g} days on {setup.spec.name} "
-        f"({setup.gpus_per_node} per node, {setup.gpu_mem:g} GiB), seq {setup.seq}; searched in {took:.1f} s:"
+        f"({setup.gpus_per_node} per node), seq {setup.seq}; searched in {took:.1f} s."
     )
+    click.echo(f"Memory per GPU: {memory or f'{setup.gpu_mem:g} GiB'}")
     for r in a.tried:
         what = (
-            f"{r.best.layout()}, {r.days:.1f} days"
+            f"{r.best.layout()}, {days_text(r.days, days)} days"
             if r.best is not None and r.days is not None
             else "no layout fits and follows the guidance"
         )
@@ -297,8 +306,8 @@ def budget_command(
     )
     span = f" ({d * (1 - frac):.1f} to {d * (1 + frac):.1f} within the band)" if frac else ""
     click.echo(
-        f"predicted {d:.1f} days{span}, {d * 24 * n:,.0f} GPU-hours, {c.tps:,.0f} tokens/s per GPU "
-        f"(MFU {c.predicted['mfu']:.1%}); error band {band}"
+        f"predicted {days_text(d, days)} days{span}, {d * 24 * n:,.0f} GPU-hours, {rate_text(c.tps)} tokens/s "
+        f"per GPU (MFU {c.predicted['mfu']:.1%}); error band {band}"
         if c.predicted
-        else f"predicted {d:.1f} days"
+        else f"predicted {days_text(d, days)} days"
     )

@@ -32,11 +32,12 @@ import click
 
 from recipes.plan.budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
 from recipes.plan.candidate import Candidate
-from recipes.plan.report import against_the_paper, ranked_json, ranked_table
+from recipes.plan.report import against_the_paper, days_text, ranked_json, ranked_table, rate_text
 
 if TYPE_CHECKING:  # type names only: the spec module is loaded when a plan runs
     from core.dryrun.gpuspec import GPUSpec
 
+DEFAULT_GPU_MEM = 80.0  # GiB per GPU without --gpu or --gpu-mem
 FSDP_MAX_GROUP = 128
 LONG_CONTEXT = 32768
 SPEED_TIE = 0.03  # predicted tokens/s within 3% of the fastest: ordered by the rules
@@ -276,8 +277,7 @@ def plan(
         spec = load_spec(gpu or DEFAULT_GPU)
     except SpecError as e:
         raise click.BadParameter(str(e), param_hint="--gpu") from None
-    if gpu_mem is None:
-        gpu_mem = spec.hbm_capacity_gib if gpu else 80.0
+    gpu_mem, memory = gpu_memory(gpu_mem, gpu, spec)
     _check_plan_inputs(model, gpus, seq, gpu_mem, local_batch, global_batch)
     _check_plan_options(model, gpus, tokens, days, as_json, global_batch, gpus_per_node, top)
     if local_batch and global_batch:
@@ -288,7 +288,7 @@ def plan(
 
         if tokens is None or days is None:
             raise click.UsageError("give --gpus, or --tokens and --days (the GPU count is then found)")
-        budget_command(setup, tokens, days, as_json, best_at)
+        budget_command(setup, tokens, days, as_json, best_at, memory)
         return
     ranked = candidates(
         model,
@@ -309,12 +309,12 @@ def plan(
         click.echo(ranked_json(ranked, spec.name))
         return
     click.echo(
-        f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}, "
-        f"{gpu_mem:g} GiB per GPU; estimated peak reserved per GPU (core.dryrun.memory), predicted "
-        f"tokens/s per GPU on {spec.name} (core.dryrun.runtime), error band {band_text(gpu=spec.name)}; "
-        "ranked by speed among those that fit:"
+        f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}; estimated peak "
+        f"reserved per GPU (core.dryrun.memory), predicted tokens/s per GPU on {spec.name} "
+        f"(core.dryrun.runtime), error band {band_text(gpu=spec.name)}; ranked by speed among those that fit."
     )
-    click.echo(ranked_table(ranked[:top]))
+    click.echo(f"Memory per GPU: {memory}")
+    click.echo(ranked_table(ranked[:top], gpu_mem))
     best = ranked[0]
     click.echo(
         f"\nproposed: {best.layout()}, AC {best.ac}, local batch {best.local_batch}"
@@ -322,9 +322,23 @@ def plan(
     )
     if tokens is not None and best.fits:
         took = tokens / (best.tps * gpus) / SECONDS_PER_DAY
-        click.echo(f"{tokens:.3g} tokens at {best.tps * gpus:,.0f} tokens/s: {took:.1f} days predicted")
+        in_days = days_text(took, days) if days else f"{took:.1f}"
+        click.echo(f"{tokens:.3g} tokens at {rate_text(best.tps * gpus)} tokens/s: {in_days} days predicted")
     for line in against_the_paper(ranked, model, gpus, seq):
         click.echo(line)
+
+
+def gpu_memory(gpu_mem: float | None, gpu: str | None, spec: GPUSpec) -> tuple[float, str]:
+    """The GiB per GPU a plan sizes its layouts with, and a line saying so and where it comes from."""
+    if gpu_mem is not None:
+        return gpu_mem, f"{gpu_mem:g} GiB (--gpu-mem)"
+    if gpu:
+        return spec.hbm_capacity_gib, f"{spec.hbm_capacity_gib:g} GiB, {spec.name}'s capacity (--gpu)"
+    return DEFAULT_GPU_MEM, (
+        f"{DEFAULT_GPU_MEM:g} GiB, the default without --gpu (an 80 GB H100's); {spec.name}, the spec the "
+        f"speeds are predicted on, holds {spec.hbm_capacity_gib:g} GiB: --gpu-mem "
+        f"{spec.hbm_capacity_gib:g} sizes with that"
+    )
 
 
 def best_at(setup: Setup, gpus: int) -> Candidate | None:

@@ -1,8 +1,10 @@
 """What `run-recipe plan --gpus N` prints: the ranked layouts (a table or JSON) and where each of
-the paper's layouts for the setting ranks among them, and why."""
+the paper's layouts for the setting ranks among them, and why; and how every plan prints its
+rates and days (`rate_text`, `days_text`: budget.py's answer too)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # type names only
@@ -38,7 +40,7 @@ def ranked_json(ranked: list[Candidate], gpu: str) -> str:
                 "fits": c.fits,
                 "violations": c.violations,
                 "gpu": gpu,
-                "tokens_per_sec_per_gpu": round(c.tps, 1),
+                "tokens_per_sec_per_gpu": rate_json(c.tps),
                 "step_time_s": round(c.predicted["step_time_s"], 4),
                 "mfu": round(c.predicted["mfu"], 4),
             }
@@ -48,7 +50,30 @@ def ranked_json(ranked: list[Candidate], gpu: str) -> str:
     )
 
 
-def ranked_table(shown: list[Candidate]) -> str:
+def rate_text(rate: float) -> str:
+    """Tokens/s as plan prints them: whole numbers from 100 up, else three significant digits (a
+    measured CPU spec predicts well under one token/s per GPU for a real model)."""
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+
+
+def rate_json(rate: float) -> float:
+    """Tokens/s in plan's JSON: one decimal, or three significant digits below 100 (as printed)."""
+    return round(rate, 1) if rate >= 100 else float(f"{rate:.3g}")
+
+
+def days_text(days: float, budget: float) -> str:
+    """Predicted days beside a budget of days: one decimal, or as many more as it takes for the
+    figure to read on its own side of the budget (30.05 days is no '30.0' under a 30-day budget);
+    past four decimals a miss rounds up and a hit down."""
+    for places in range(1, 5):
+        text = f"{days:.{places}f}"
+        if (float(text) <= budget) == (days <= budget):
+            return text
+    rounded = (math.floor if days <= budget else math.ceil)(days * 1e4) / 1e4
+    return f"{rounded:.4f}"
+
+
+def ranked_table(shown: list[Candidate], gpu_mem: float) -> str:
     from tabulate import tabulate
 
     rows = []
@@ -62,12 +87,13 @@ def ranked_table(shown: list[Candidate]) -> str:
                 ac,
                 f"{c.estimate_gib:.1f}",
                 "yes" if c.fits else "no",
-                f"{c.tps:.0f}",
+                rate_text(c.tps),
                 f"{c.predicted['mfu']:.1%}",
                 "; ".join(c.violations) or "-",
             ]
         )
-    headers = ["#", "layout", "local batch", "AC", "est. GiB", "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
+    memory = f"est. GiB (of {gpu_mem:g})"
+    headers = ["#", "layout", "local batch", "AC", memory, "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
     return tabulate(rows, headers=headers)
 
 
@@ -91,12 +117,12 @@ def against_the_paper(ranked: list[Candidate], model: str, gpus: int, seq: int) 
         c = ranked[pos - 1]
         why = [
             f"ranked {pos}, {c.estimate_gib:.1f} GiB at local batch {c.local_batch}, predicted "
-            f"{c.tps:.0f} tokens/s per GPU" + ("" if c.fits else " (does not fit)")
+            f"{rate_text(c.tps)} tokens/s per GPU" + ("" if c.fits else " (does not fit)")
         ]
         if c.local_batch != lb:
             why.append(f"the paper ran local batch {lb}: pass --local-batch {lb}")
         if c.fits and best.fits:
-            why.append(f"{best.layout()} also fits and is predicted faster ({best.tps:.0f} tokens/s per GPU)")
+            why.append(f"{best.layout()} also fits and is predicted faster ({rate_text(best.tps)} tokens/s per GPU)")
         lines.append(f"paper ({r.id}): {_paper_layout(want)} -- " + "; ".join(why))
     return lines
 

@@ -5,10 +5,12 @@ Read by `recipes/report/results.py` (`run-recipe results`) and by `run-recipe co
 (recipes/studies/convergence.py, which runs the rows). From the records only, `write_outputs` makes
 
     results/loss_convergence.csv    step, then one loss column per row
-    results/loss_convergence.png    the four curves: smoothed (EMA) solid, raw faint
+    results/loss_convergence.png    the four curves, smoothed (EMA) and raw faint, each in its own
+                                    style; below, each N-D curve minus the control's
 
 and `check` compares each N-D curve with the 1D curve directly (never chained): the mean
 |difference| of the EMA-smoothed curves over the trailing window must stay within TOLERANCE.
+`with_check` adds each row's check to the loss-convergence table (COMPACT: the columns its .md shows).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import matplotlib
 import pandas as pd
 
 from recipes import registry
+from recipes.report.table_data import markdown_table
 from recipes.schema import Recipe
 
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # after choosing the backend
+from matplotlib.figure import Figure
 
 TABLE = "loss_convergence"
 # Smoothing: exponential moving average over ~SMOOTH_SPAN steps (pandas ewm, span); the check
@@ -186,6 +190,37 @@ def check(records: dict[str, dict], tolerance: float = TOLERANCE) -> list[dict]:
     return out
 
 
+# The check's columns of loss_convergence_table.csv (after the table's own), and the few columns
+# of that table results/loss_convergence.md shows (frame column -> header); the rest stay in the CSV.
+LAYOUT, CHECK_FIGURE, VERDICT = "ours layout", "check mean |Δloss| vs 1D", "check"
+COMPACT = {
+    "row": "row",
+    LAYOUT: "layout run",
+    "ours mode": "mode",
+    "ours steps": "steps",
+    "ours final loss": "final loss",
+    CHECK_FIGURE: "mean |Δ| vs 1D, smoothed",
+    VERDICT: f"check (tolerance {TOLERANCE:g})",
+}
+
+
+def with_check(frame: pd.DataFrame, records: dict[tuple[str, str], dict]) -> pd.DataFrame:
+    """The table's frame with the layout each row's record ran and that record's check against
+    the 1D control of the same mode (`check`): its checked figure and its verdict."""
+    results: dict[tuple[str, str], dict] = {}
+    for mode in frame["ours mode"].dropna().unique():
+        of_mode = {rid: rec for (rid, m), rec in records.items() if m == mode}
+        results.update({(res["recipe"], mode): res for res in check(of_mode)})
+    layouts, figures, verdicts = [], [], []
+    for rid, mode in zip(frame["recipe"], frame["ours mode"], strict=True):
+        rec = records.get((rid, mode)) if isinstance(mode, str) else None
+        res = results.get((rid, mode), {})
+        layouts.append(record_label(rec, column(rid)) if rec else None)
+        figures.append(res.get("mean_abs_diff_smoothed"))
+        verdicts.append(None if rec is None else "control" if rid == control().id else res.get("status"))
+    return frame.assign(**{LAYOUT: layouts, CHECK_FIGURE: figures, VERDICT: verdicts})
+
+
 def spread(records: dict[str, dict]) -> dict[str, float]:
     """The control's own noise in the trailing window: std of raw - smoothed (batch-to-batch
     noise every layout shares), and how far the smoothed curve still falls across the window."""
@@ -203,32 +238,44 @@ def spread(records: dict[str, dict]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------ outputs
-def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
+# Each run's own line style and marker: where the curves overlap, as they should, every run still shows.
+STYLES = (("-", None), ("--", "o"), ("-.", "s"), (":", "^"))
+
+
+def _label(rec: dict, name: str, res: dict | None) -> str:
+    label = record_label(rec, name)
+    if res is None:
+        return label + "  — control"
+    if res.get("mean_abs_diff_smoothed") is not None:
+        sign = "≤" if res["passed"] else ">"
+        return label + f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} {sign} {res['tolerance']:g}"
+    return label + f"  — {res['status']}"
+
+
+def figure(records: dict[str, dict], results: list[dict]) -> Figure:
+    """Two panels sharing the step axis: every run's loss (smoothed, raw faint), and each N-D run's
+    smoothed loss minus the control's (the checked difference, its trailing window shaded). Both
+    axes span every point drawn on them."""
     df, sm = curves(records), smooth(curves(records))
     by_col = {res["column"]: res for res in results}
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    base = column(control().id)
+    fig, (ax, diff) = plt.subplots(2, 1, sharex=True, figsize=(9, 8), dpi=120, height_ratios=(3, 2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    every = max(1, len(df) // 12)
     for i, r in enumerate(rows()):
         name = column(r.id)
         if name not in df:
             continue
-        label = record_label(records[r.id], name)
-        res = by_col.get(name)
-        if res is None:
-            label += "  — control"
-        elif res.get("mean_abs_diff_smoothed") is not None:
-            label += f"  — |Δ| {res['mean_abs_diff_smoothed']:.4f} {'≤' if res['passed'] else '>'} {res['tolerance']:g}"
-        else:
-            label += f"  — {res['status']}"
-        c = colors[i % len(colors)]
-        ax.plot(df.index, df[name], color=c, alpha=0.18, linewidth=0.7)
-        ax.plot(sm.index, sm[name], color=c, linewidth=1.6, label=label)
-    if not df.empty:
-        hi = float(sm.iloc[min(len(sm) - 1, 5)].max())
-        lo = float(df.min().min())
-        ax.set_ylim(lo - 0.05 * (hi - lo), hi)
-    base = records.get(control().id) or next(iter(records.values()), {})
-    cfg = base.get("config", {})
+        style, marker = STYLES[i % len(STYLES)]
+        line = {"color": colors[i % len(colors)], "linestyle": style, "marker": marker, "markersize": 4}
+        line["markevery"] = (i * every // len(STYLES), every)  # staggered: overlapping markers stay apart
+        ax.plot(df.index, df[name], color=line["color"], alpha=0.18, linewidth=0.7)
+        width = 3.0 if name == base else 1.3  # the control widest: the runs drawn over it leave its edges
+        ax.plot(sm.index, sm[name], linewidth=width, label=_label(records[r.id], name, by_col.get(name)), **line)
+        if name != base and base in sm:
+            diff.plot(sm.index, sm[name] - sm[base], linewidth=1.2, label=record_label(records[r.id], name), **line)
+    _difference_axis(diff, len(df))
+    cfg = (records.get(control().id) or next(iter(records.values()), {})).get("config", {})
     t = cfg.get("training", {})
     ax.set_title(
         "Loss convergence (CPU proxy): each layout vs 1D FSDP\n"
@@ -238,11 +285,36 @@ def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
         f"EMA span {SMOOTH_SPAN}, tolerance on the last {int(TRAILING_FRACTION * 100)}% of steps",
         fontsize=9,
     )
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5, loc="upper right")
     fig.tight_layout()
+    return fig
+
+
+def _difference_axis(diff, steps: int) -> None:
+    """The difference panel's zero line, the check's trailing window, its tolerance when it fits
+    the scale of the differences (else named in the label), and its labels; its runs are told
+    apart by the loss panel's legend (the same colours, styles and markers)."""
+    diff.axhline(0.0, color="0.4", linewidth=0.8)
+    low, high = diff.get_ylim()
+    if steps:
+        window = max(1, round(steps * TRAILING_FRACTION))
+        diff.axvspan(steps - window + 0.5, steps + 0.5, color="0.85", alpha=0.5, linewidth=0)
+        diff.text(steps + 0.5 - window / 2, high, "checked window", ha="center", va="top", fontsize=7)
+    if low <= -TOLERANCE and high >= TOLERANCE:
+        for y in (-TOLERANCE, TOLERANCE):
+            diff.axhline(y, color="0.3", linestyle=":", linewidth=0.8)
+        what = f"dotted: ±{TOLERANCE:g} tolerance"
+    else:
+        what = f"tolerance ±{TOLERANCE:g}: beyond this scale"
+    diff.set_ylabel(f"smoothed loss − 1D (nats)\n{what}", fontsize=8)
+    diff.set_xlabel("step")
+    diff.grid(alpha=0.3)
+
+
+def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
+    fig = figure(records, results)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
@@ -308,6 +380,24 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
             ),
             "",
         ]
+    lines += _check_table(records, results, walls or {})
+    passed = [r for r in results if r.get("passed")]
+    lines += [
+        "",
+        (
+            f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
+            "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
+            "[loss_convergence.csv](loss_convergence.csv), golden: "
+            "[golden/loss_convergence.json](golden/loss_convergence.json)."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _check_table(records: dict[str, dict], results: list[dict], walls: dict[str, float]) -> list[str]:
+    """The check's figures per layout as a markdown table, then the toggles skipped and where."""
+    base = records[control().id]
     table = [{"layout (proxy)": record_label(base, column(control().id)), "recipe": control().id, "status": "control"}]
     for res in results:
         row = {
@@ -326,23 +416,17 @@ def markdown(records: dict[str, dict], results: list[dict], walls: dict[str, flo
             ),
         }
         table.append(row)
+    skipped: dict[str, list[str]] = {}  # why a toggle did not run -> the rows it did not run in
     for row in table:
-        rec = records.get(row["recipe"])
-        row["toggles skipped"] = "; ".join(f"{k}: {v}" for k, v in ((rec or {}).get("toggles_skipped") or {}).items())
-        row["train loop s"] = _fmt((walls or {}).get(row["recipe"]), ".0f")
-    lines.append(pd.DataFrame(table).fillna("").to_markdown(index=False, disable_numparse=True))
-    passed = [r for r in results if r.get("passed")]
-    lines += [
-        "",
-        (
-            f"**{len(passed)} of {len(results)} N-D layouts within tolerance.** "
-            "Curves: [loss_convergence.png](loss_convergence.png), per-step losses: "
-            "[loss_convergence.csv](loss_convergence.csv), golden: "
-            "[golden/loss_convergence.json](golden/loss_convergence.json)."
-        ),
-        "",
-    ]
-    return "\n".join(lines)
+        rec = records.get(row["recipe"]) or {}
+        for toggle, why in (rec.get("toggles_skipped") or {}).items():
+            skipped.setdefault(f"{toggle}: {why}", []).append(column(row["recipe"]))
+        row["train loop s"] = _fmt(walls.get(row["recipe"]), ".0f")
+    lines = [markdown_table(pd.DataFrame(table).fillna(""))]
+    if skipped:
+        lines += ["", "Toggles asked for but skipped here:", ""]
+        lines += [f"- {why} ({', '.join(names)})" for why, names in skipped.items()]
+    return lines
 
 
 def write_outputs(records: dict[str, dict], out_dir: Path) -> tuple[list[Path], str]:

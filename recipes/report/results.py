@@ -29,7 +29,7 @@ from core.fileio import atomic_path, atomic_write
 from recipes import registry
 from recipes.paths import relative
 from recipes.report import figures, loss_curves
-from recipes.report.table_data import NoRecordsError, load_records, predicted_part, table_frame
+from recipes.report.table_data import NoRecordsError, load_records, markdown_table, predicted_part, table_frame
 from recipes.schema import TABLES, Recipe
 
 
@@ -94,11 +94,13 @@ COMPACT = {
 }
 
 
-def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) -> str:
-    """Every column of the frame, or (compact) the about ten of COMPACT a person can read, the
-    rest being in the CSV and the list under the table; a calibration row's prediction gets †."""
+def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool | dict[str, str] = False) -> str:
+    """Every column of the frame, or (compact) the few of COMPACT (or of the mapping given) a
+    person can read, renamed, the rest being in the CSV and the list under the table; numbers
+    right-aligned, text left; a calibration row's prediction gets †."""
+    names = COMPACT if compact is True else compact or {}
     approx = {r.id: bool(r.reference.get("paper_mem_approx")) for r in recipes}
-    cols = [c for c in (COMPACT if compact else df.columns) if c in df.columns]
+    cols = [c for c in (names if compact else df.columns) if c in df.columns]
     shown = pd.DataFrame(
         {
             c: [
@@ -113,9 +115,8 @@ def to_markdown(df: pd.DataFrame, recipes: list[Recipe], compact: bool = False) 
             f"{v} †" if v and isinstance(cal, str) else v
             for v, cal in zip(shown["predicted TPS/GPU"], df["calibrated on"], strict=True)
         ]
-    return shown.rename(columns=COMPACT if compact else {}).to_markdown(
-        index=False, disable_numparse=True, colalign=["left"] + ["right" if compact else "left"] * (len(cols) - 1)
-    )
+    right = [bool(compact) and not any(isinstance(v, str) for v in df[c]) for c in cols[1:]]
+    return markdown_table(shown.rename(columns=names), colalign=["left"] + ["right" if r else "left" for r in right])
 
 
 def _rows_by(labels, values) -> list[str]:
@@ -240,6 +241,8 @@ def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list
     """<table>.md, its CSV and figure; returns (its README index entry, the files written)."""
     recipes = registry.by_table(table)
     df = table_frame(table, records, recipes)
+    if table == "loss_convergence":  # each record's check against the 1D control, after the table's columns
+        df = loss_curves.with_check(df, records)
     title = meta.get("title", table)
     csv_name = table_csv_name(table)
     df.to_csv(out / csv_name, index=False)
@@ -247,8 +250,8 @@ def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list
     md = [f"# {title}", "", meta.get("caption", ""), ""]
     written = [out / f"{table}.md", out / csv_name]
     fig = None
-    if table == "loss_convergence":  # no paper throughput: the wide table, curves below
-        md += [to_markdown(df, recipes), ""]
+    if table == "loss_convergence":  # no paper throughput: what ran and its check, the curves below
+        md += [to_markdown(df, recipes, compact=loss_curves.COMPACT), ""]
     else:
         png = figures.table_figure(title, figures.figure_rows(df, records), out / f"{table}.png")
         if png is None:

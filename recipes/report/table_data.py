@@ -262,6 +262,15 @@ def toggle_notes(rec: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ tables
+def markdown_table(frame: pd.DataFrame, **options: Any) -> str:
+    """A frame of strings as a GitHub table (`to_markdown`, numbers kept as written), every `|` of
+    a header or cell escaped: unescaped, it ends the cell (`mean |Δ|` split one header in three
+    and the page showed no table)."""
+    escaped = frame.astype(str).apply(lambda col: col.str.replace("|", "\\|", regex=False))
+    escaped.columns = [str(c).replace("|", "\\|") for c in frame.columns]
+    return escaped.to_markdown(index=False, disable_numparse=True, **options)
+
+
 def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) -> pd.DataFrame:
     """The table as numbers (None where there is nothing): the CSV's content."""
     recipes = recipes if recipes is not None else registry.by_table(table)

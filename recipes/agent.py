@@ -1,0 +1,26 @@
+"""torchrun's agent for a launch on this node, tethered to the launcher that started it:
+
+    python -m recipes.agent [torchrun options] -m core.train --config job.json
+
+torch's own `torch.distributed.run` (parser, elastic agent, rendezvous, restarts), after asking the
+kernel for a SIGTERM when its parent dies (core/process.py `die_with_parent`): a launcher killed
+outright (SIGKILL, the OOM killer, a closed SSH session) cannot leave its ranks training, and
+writing into the run folder, unsupervised. torchrun stops its ranks on that SIGTERM as on any.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from core.process import die_with_parent
+
+
+def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main(argv if argv is not None else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
