@@ -10,6 +10,7 @@ import logging
 import sys
 
 ROOT = "titan"
+PROGRESS_TTY_ENV = "TITAN_PROGRESS_TTY"  # "1"/"0": the launcher says whether its output is a terminal
 
 
 class _PlainLines(logging.Handler):

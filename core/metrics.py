@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from core import cpu_gemm
 from core.fileio import atomic_write, atomic_write_json
-from core.logs import get_logger
+from core.logs import PROGRESS_TTY_ENV, get_logger
 from core.models.args import ModelArgs, param_count
 
 log = get_logger(__name__)
@@ -229,9 +229,19 @@ def trim_metrics(path: Path, last_step: int) -> None:
     atomic_write(path, "".join(k + "\n" for k in keep))
 
 
+def progress_bar_wanted(cfg) -> bool:
+    """A progress bar only where a person watches a terminal (the launcher's, when there is one):
+    in a file or a pipe its redraws are one endless line."""
+    if not cfg.metrics.progress:
+        return False
+    said = os.environ.get(PROGRESS_TTY_ENV)
+    return said == "1" if said is not None else sys.stderr.isatty()
+
+
 class StepLog:
-    """The training loop's per-step metrics: metrics.jsonl (rank 0) every metrics.log_freq steps
-    and at the last, and rank 0's progress bar (metrics.progress)."""
+    """The training loop's per-step metrics, every metrics.log_freq steps and at the last: a line
+    on rank 0's stdout (train.log has one per logged step) and metrics.jsonl; rank 0's progress
+    bar (metrics.progress) on a terminal only."""
 
     def __init__(
         self,
@@ -243,11 +253,11 @@ class StepLog:
         peak_flops: float | None,
         first_step: int,
     ):
-        self.cfg, self.tokens_per_device = cfg, tokens_per_device
+        self.cfg, self.tokens_per_device, self.rank = cfg, tokens_per_device, rank
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.logger = MetricsLogger(out_dir, rank, cfg.metrics.enable_tensorboard)
         self.bar = None
-        if rank == 0 and cfg.metrics.progress:
+        if rank == 0 and progress_bar_wanted(cfg):
             self.bar = tqdm(
                 total=cfg.training.steps,
                 initial=first_step,
@@ -261,19 +271,19 @@ class StepLog:
         """One step's line; `lr`: the rate its update used (read before the scheduler steps)."""
         tps = self.tokens_per_device / dt
         if step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps:
-            self.logger.log(
-                step,
-                {
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "step_time_s": dt,
-                    "data_time_s": data_dt,
-                    "tokens_per_sec_per_device": tps,
-                    "mfu": self.flops_per_token * tps / self.peak_flops if self.peak_flops else None,
-                    "memory_gib": peak_memory_gib(),
-                },
-            )
+            values = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "step_time_s": dt,
+                "data_time_s": data_dt,
+                "tokens_per_sec_per_device": tps,
+                "mfu": self.flops_per_token * tps / self.peak_flops if self.peak_flops else None,
+                "memory_gib": peak_memory_gib(),
+            }
+            self.logger.log(step, values)
+            if self.rank == 0:
+                self.write(step_line(step, self.cfg.training.steps, values))
         if self.bar:
             self.bar.set_postfix(loss=f"{loss:.4f}", tps=f"{tps:,.0f}")
             self.bar.update(1)
@@ -281,7 +291,7 @@ class StepLog:
     def write(self, line: str) -> None:
         """A line that does not break the progress bar."""
         if self.bar:
-            self.bar.write(line)
+            self.bar.write(line, file=sys.stdout)
         else:
             log.info(line)
 
@@ -289,3 +299,13 @@ class StepLog:
         if self.bar:
             self.bar.close()
         self.logger.close()
+
+
+def step_line(step: int, steps: int, v: dict) -> str:
+    """One logged step as a person reads it (the same figures as metrics.jsonl)."""
+    mfu = f"  mfu {v['mfu']:.1%}" if v.get("mfu") is not None else ""
+    return (
+        f"step {step}/{steps}  loss {v['loss']:.4f}  grad_norm {v['grad_norm']:.3f}  lr {v['lr']:.3g}  "
+        f"{v['tokens_per_sec_per_device']:,.0f} tokens/s/device{mfu}  mem {v['memory_gib']:.2f} GiB  "
+        f"step {v['step_time_s']:.3f} s"
+    )

@@ -48,6 +48,12 @@ KNOWN_NOISE = (
         "Initializing dist.ProcessGroup in checkpoint background process",
         "DCP's checkpoint process (async_with_pinned_mem) reporting its start-up and every request",
     ),
+    (
+        "datasets.packaged_modules.json.json",
+        "Failed to load JSON from file",
+        "the json reader's report of a malformed document, before it raises; the trainer names the "
+        "file and line in its own error (core/data/documents.py)",
+    ),
     ("root", "Checkpoint background process is running", "as above"),
     ("root", "Waiting for checkpoint save request", "as above"),
     ("root", "Received async checkpoint request", "as above"),

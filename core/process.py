@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -87,3 +89,60 @@ def raise_open_file_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             return (soft, soft)
     return (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+# ------------------------------------------------------------------ which rank died, and how
+RANK_PIDS_ENV = "TITAN_RANK_PIDS"  # a folder where each rank leaves its pid, named by its rank
+QUIET_DEATHS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how an agent stops its ranks
+
+
+def record_rank_pid() -> None:
+    """A rank tells its agent's watcher its pid (core.train calls it first thing)."""
+    folder, rank = os.environ.get(RANK_PIDS_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        with contextlib.suppress(OSError):
+            Path(folder, rank).write_text(str(os.getpid()))
+
+
+class RankDeaths:
+    """In an agent (recipes/agent.py, recipes/forked_run.py): says the moment one of its ranks is
+    killed by a signal (SIGKILL from the OOM killer, a segfault), as an error line naming it. Such
+    a rank writes nothing, and the survivors then fail on a lost connection, which torchrun may
+    well observe first: without this line the rank that died would go unnamed. Runs on SIGCHLD
+    (no thread: the ranks are forked after it is set up) and reads each exit without reaping it
+    (WNOWAIT): torchrun's own bookkeeping still sees it."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.said = folder, set()
+
+    def __call__(self, signum=None, frame=None) -> None:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.folder):
+                if entry.name not in self.said:
+                    self._check(entry)
+
+    def _check(self, entry) -> None:
+        try:
+            pid = int(Path(entry.path).read_text())
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (OSError, ValueError):
+            return
+        if info is None:
+            return
+        self.said.add(entry.name)
+        if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) and info.si_status not in QUIET_DEATHS:
+            name = signal.Signals(info.si_status).name
+            print(f"error: rank {entry.name} (pid {pid}) was killed by {name}", file=sys.stderr, flush=True)
+
+
+def watch_rank_deaths() -> None:
+    """An agent's set-up: a folder for its ranks' pids (inherited through the environment) and
+    the SIGCHLD handler that looks at them (a forked rank puts SIGCHLD back: `forget_rank_deaths`)."""
+    folder = Path(tempfile.mkdtemp(prefix="titan_ranks_"))
+    os.environ[RANK_PIDS_ENV] = str(folder)
+    signal.signal(signal.SIGCHLD, RankDeaths(folder))
+
+
+def forget_rank_deaths() -> None:
+    """In a rank forked by the agent: its own children (DCP's checkpoint process) are not ranks."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -184,3 +184,17 @@ def write_result(cfg: JobConfig, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "result.json", record)  # a reader sees the old record or the new
     save_config(cfg, out / "config.json")
+
+
+def summary(record: dict) -> str:
+    """A finished run in one line, as `run-recipe run` ends each row: steps, final loss,
+    throughput and peak memory per device (the full record is result.json)."""
+    losses = record.get("losses") or []
+    start = record.get("start_step", 0)
+    steps = f"steps {start + 1}-{start + len(losses)}" if start else f"{len(losses)} steps"
+    loss = f"final loss {losses[-1]:.4f}" if losses else "no step finished"
+    mfu = f", MFU {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+    return (
+        f"{steps}, {loss}, {record.get('tokens_per_sec_per_device', 0):,.0f} tokens/s/device{mfu}, "
+        f"peak memory {record.get('peak_memory_gib', 0):.2f} GiB ({record.get('memory_kind', '?')})"
+    )

@@ -9,7 +9,6 @@ prints `JOB_MARKER <output_dir>` before each, so a reader can split the output p
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import functools
@@ -27,7 +26,7 @@ from core.build import build_model, with_attention_dtype
 from core.checkpoint.checkpointer import Checkpointer
 from core.checkpoint.folder import CheckpointError
 from core.checkpoint.state import TrainState
-from core.config import JOB_MARKER, ConfigError, JobConfig, load_config
+from core.config import JOB_MARKER, ConfigError, JobConfig
 from core.data.datasets import build_dataloader
 from core.data.shards import CorpusError
 from core.data.tokenizer import Tokenizer
@@ -39,7 +38,7 @@ from core.debug import (
     set_pg_timeouts,
     setup_flight_recorder,
 )
-from core.hardware import check_real_devices, check_toggle_hardware
+from core.jobs import parse_jobs, rank_prefix, validated_jobs
 from core.lazy_imports import import_for
 from core.logs import get_logger
 from core.metrics import (
@@ -56,14 +55,13 @@ from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
-from core.process import die_with_parent, exit_process, process_age_s
+from core.process import die_with_parent, exit_process, process_age_s, record_rank_pid
 from core.result import TrainOutcome, local_state_bytes, pp_record, result_record, write_result
 from core.run_folder import RUN_LOCK_ENV, RunDirBusy
 from core.step import TrainStep, pipeline_loss
 from core.step_hooks import GCAtSteps, StepProfiler
 from core.toggles import compile_cache
 from core.toggles.float8 import post_optimizer_hook
-from core.validate import validate
 
 log = get_logger(__name__)
 
@@ -376,14 +374,6 @@ class Trainer:
         return cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
 
 
-def parse_jobs(argv: list[str] | None = None) -> list[JobConfig]:
-    """One config per `--config` (the overrides apply to each); none given: the defaults."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", help="job config (.toml or .json); repeatable")
-    known, overrides = parser.parse_known_args(argv)
-    return [load_config(path, overrides) for path in (known.config or [None])]
-
-
 def before_fork(argv: list[str]) -> None:
     """Called by recipes/forked_run.py before it forks the ranks: import what the jobs import lazily."""
     with contextlib.suppress(ConfigError):  # each rank's main() reports it
@@ -418,23 +408,6 @@ def run(cfg: JobConfig, startup_s: dict[str, float | None] | None = None) -> dic
     return record
 
 
-def validated_jobs(argv: list[str] | None) -> list[JobConfig]:
-    """Every job of the command line, validated before any runs (ConfigError names the key)."""
-    world = int(os.environ.get("WORLD_SIZE", 0)) or None
-    cfgs = [validate(cfg, world) for cfg in parse_jobs(argv)]
-    for cfg in cfgs:
-        check_toggle_hardware(cfg)  # GPUs validate() cannot see: Float8 sm89+, AsyncTP (real mode)
-        check_real_devices(cfg)  # real mode: CUDA and a GPU per local rank, on every node
-    if any(cfg.comm != cfgs[0].comm for cfg in cfgs):
-        raise ConfigError("comm: jobs launched together share one process group: their [comm] must match")
-    if "RANK" not in os.environ and cfgs[0].parallelism.world_size > 1:
-        n = cfgs[0].parallelism.world_size
-        raise ConfigError(
-            f"parallelism: a world of {n} ranks needs torchrun (--nproc_per_node={n}) or `run-recipe run`"
-        )
-    return cfgs
-
-
 def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
     """The jobs one after another in this process group; rank 0 marks where each one's output starts."""
     for i, cfg in enumerate(cfgs):
@@ -449,6 +422,7 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # an agent (torchrun) that dies takes its ranks with it
+    record_rank_pid()  # the agent names this rank if a signal kills it
     startup_s = {"process_start_and_imports": process_age_s()}
     quiet_library_warnings()
     try:
@@ -477,15 +451,17 @@ def main(argv: list[str] | None = None) -> int:
             log.error(f"error: {e}")
         return 2
     except (CheckpointError, NonFiniteError, CorpusError) as e:
-        # the project's own failures: raised alike on every rank, said once, in one line
+        # the project's own failures, in one line. Raised alike on every rank, rank 0 says it and
+        # torchrun stops the others while they wait; raised on one rank only, that rank says it.
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")
-        if dist.get_rank() == 0:
-            log.error(f"error: {e}")
-        else:  # torchrun stops the group at the first exit: leave rank 0 the time to say it
+        if dist.get_rank():
             time.sleep(2)
+        log.error(f"{rank_prefix()}error: {e}")
         return 1
     except Exception as e:
         dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
+        if dist.get_rank():  # the traceback's last line does not say which rank raised
+            log.error(f"{rank_prefix()}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise
     finally:
         dist.destroy_process_group()

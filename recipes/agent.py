@@ -6,17 +6,20 @@ torch's own `torch.distributed.run` (parser, elastic agent, rendezvous, restarts
 kernel for a SIGTERM when its parent dies (core/process.py `die_with_parent`): a launcher killed
 outright (SIGKILL, the OOM killer, a closed SSH session) cannot leave its ranks training, and
 writing into the run folder, unsupervised. torchrun stops its ranks on that SIGTERM as on any.
+A rank killed by a signal is named in an error line the moment it dies (core/process.py
+`RankDeaths`): it leaves no error of its own, and torchrun may first see a survivor's.
 """
 
 from __future__ import annotations
 
 import sys
 
-from core.process import die_with_parent
+from core.process import die_with_parent, watch_rank_deaths
 
 
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()
+    watch_rank_deaths()  # a rank killed outright is named the moment it dies
     from torch.distributed.run import main as torchrun_main
 
     torchrun_main(argv if argv is not None else sys.argv[1:])

@@ -365,7 +365,8 @@ def _short(v) -> str:
     help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml, or a spec FILE; "
     "default: the paper's h100_96gb_hbm2e_500w).",
 )
-def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu):
+@click.option("--verbose", is_flag=True, help="Also echo the launch command and the ranks' failure reports.")
+def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu, verbose):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
     recipes = _select(ids, table)
@@ -377,6 +378,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
         slurm=slurm,
         sbatch_opts=tuple(sbatch_opts),
         gpu=gpu,
+        verbose=verbose,
     )
     runner = modes.MODES[mode](options)
     try:

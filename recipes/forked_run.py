@@ -25,12 +25,13 @@ import sys
 import uuid
 import warnings
 
-from core.process import die_with_parent
+from core.process import die_with_parent, forget_rank_deaths
 
 
 def _run_module_as_main(module: str, argv: list[str]) -> None:
     """What `python -m module argv...` does, in a forked rank (stopped if the agent dies)."""
     die_with_parent()
+    forget_rank_deaths()
     sys.argv = [module, *argv]
     with warnings.catch_warnings():  # "found in sys.modules": imported on purpose, by the parent
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -51,9 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(args.training_script)  # imported once here; every fork inherits it
     if hasattr(module, "before_fork"):  # what the module's jobs import lazily, imported once too
         module.before_fork(list(args.training_script_args))
-    from core.process import FORKED_AT_AGE_ENV, process_age_s
+    from core.process import FORKED_AT_AGE_ENV, process_age_s, watch_rank_deaths
 
     os.environ[FORKED_AT_AGE_ENV] = f"{process_age_s() or 0.0:.3f}"  # the ranks' records count it
+    watch_rank_deaths()  # a rank killed outright is named the moment it dies
     elastic_launch(config, _run_module_as_main)(args.training_script, list(args.training_script_args))
 
 

@@ -30,6 +30,7 @@ from core import run_folder
 from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
 from core.fileio import check_writable_folder
+from core.result import summary
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
@@ -59,6 +60,7 @@ class RunOptions:
     slurm: bool = False
     sbatch_opts: tuple[str, ...] = ()
     gpu: str | None = None
+    verbose: bool = False  # the launch command and the ranks' failure reports on the terminal too
 
 
 @dataclass
@@ -279,6 +281,10 @@ class DryRunMode(RowMode):
             raise RowRefused(f"error: {row.recipe.id}: {e}") from None
         result = row.run_dir / "result.json"
         dest = self.record(result, row.recipe, self.options.records)
+        from core.dryrun.record import summary
+
+        for line in summary(json.loads(result.read_text())):
+            click.echo(f"  {line}")
         click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
         return True
 
@@ -305,10 +311,12 @@ def _launch(rows: list[Row], mode: RowMode) -> tuple[int, float]:
     cmd = mode.command(rows[0].world, [r.job for r in rows], mode.options.max_restarts)
     for r in rows:  # shell-quoted: a folder with a space or quote pastes back as one argument
         (r.run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-    click.echo("$ " + shlex.join(cmd))
+    if mode.options.verbose:
+        click.echo("$ " + shlex.join(cmd))
     logs = {r.cfg.job.output_dir: r.run_dir / "train.log" for r in rows} if len(rows) > 1 else None
     started = time.time()
-    rc = stream(cmd, mode.env(rows[0].world), rows[0].run_dir / "train.log", job_logs=logs)
+    env = mode.env(rows[0].world)
+    rc = stream(cmd, env, rows[0].run_dir / "train.log", job_logs=logs, verbose=mode.options.verbose)
     return rc, started
 
 
@@ -336,6 +344,7 @@ def run_local_rows(rows: list[Row], mode: RowMode) -> list[str]:
             fresh = result.is_file() and result.stat().st_mtime >= started  # not a previous run's record
             if fresh and (rc == 0 or i < len(group) - 1):  # a failed launch: its last row failed
                 dest = mode.record(result, r.recipe, mode.options.records)
+                click.echo(f"{r.recipe.id}: {summary(json.loads(result.read_text()))}")
                 click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
                 continue
             log = r.run_dir / "train.log"

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from core.config import JOB_MARKER
+from core.logs import PROGRESS_TTY_ENV
 
 SEPARATOR = "===== run-recipe: a new launch"  # starts the line that opens each launch in a reused log
 STOP_GRACE_S = 30.0  # torchrun's agent stops its ranks on SIGTERM; after this the group is killed
@@ -89,19 +90,30 @@ class JobLogs:
         self.path = Path(first)
         self.file = _open_log(self.path)
         self.pending = ""  # a partial line that may still become a marker
+        self.partial = ""  # the file's line in progress (its last frame, when redrawn)
         self.line_ended = True
         self.error: str | None = None
 
     def _file_write(self, text: str) -> None:
+        """Whole lines to the file; a line redrawn with carriage returns (a progress bar) keeps
+        only its last frame, so the log holds lines a person reads, never a bar's every redraw."""
         if self.file is None:
             return
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop().rsplit("\r", 1)[-1]
+        kept = [line.rsplit("\r", 1)[-1] for line in lines]
+        data = "".join(k + "\n" for k, line in zip(kept, lines, strict=True) if k or "\r" not in line)
         try:
-            self.file.write(text.encode())
+            self.file.write(data.encode())
         except OSError as e:
             self.error = f"{self.path}: stopped logging: {e.strerror or e}"
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
+
+    def _flush_partial(self) -> None:
+        if self.partial:
+            self._file_write("\n")
 
     def write(self, text: str) -> str:
         """Log `text`; returns what to echo."""
@@ -133,6 +145,7 @@ class JobLogs:
     def _switch(self, output_dir: str) -> None:
         path = self.by_output_dir.get(str(Path(output_dir).resolve()))
         if path is not None and path != self.path:
+            self._flush_partial()
             if self.file is not None:
                 self.file.close()
             self.path = path
@@ -144,6 +157,7 @@ class JobLogs:
     def close(self) -> str:
         rest, self.pending = self.pending, ""
         self._file_write(rest)
+        self._flush_partial()
         if self.file is not None:
             self.file.close()
         return rest
@@ -170,16 +184,73 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
 
 
+_ELASTIC_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # torch.distributed's glog lines
+# a traceback, or Python's report of an exception it could not raise (a generator closed at exit)
+_TRACEBACK = re.compile(r"^(\[rank\d+\]:\s*)?(Traceback \(most recent call last\):|Exception ignored in)")
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+class TerminalEcho:
+    """What of a launch's output a person sees on the terminal (all of it stays in train.log): the
+    ranks' lines and progress, not the failure reports that follow a rank's failure (tracebacks,
+    torchrun's agent lines and its ChildFailedError report): the launcher says the failed rank and
+    its cause in one line at the end. `verbose` echoes everything."""
+
+    def __init__(self, verbose: bool = False):
+        self.verbose, self.partial = verbose, ""
+        self.in_traceback = self.in_report = False
+        self.report_rules = 0
+
+    def filter(self, text: str) -> str:
+        if self.verbose:
+            return text
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop()
+        shown = [line + "\n" for line in lines if self._shown(line)]
+        if "\r" in self.partial:  # a progress bar's redraw: shown as it comes
+            shown.append(self.partial)
+            self.partial = ""
+        return "".join(shown)
+
+    def _shown(self, line: str) -> bool:
+        bare = re.sub(r"^\[rank\d+\]:\s?", "", line.rsplit("\r", 1)[-1])
+        if self.in_report:  # ChildFailedError's block: between its first and last rule of ='s
+            self.report_rules += bare.startswith("=====")
+            self.in_report = self.report_rules < 2
+            return False
+        if _TRACEBACK.match(line) or (self.in_traceback and (bare[:1].isspace() or bare.startswith(_CHAINED))):
+            self.in_traceback = True
+            return False
+        if self.in_traceback:  # the exception's own line closes the block
+            self.in_traceback = False
+            self.in_report, self.report_rules = "ChildFailedError" in bare, 0
+            return False
+        # a rank's one-line report of its exception (the launcher's last line names the first)
+        return not (_ELASTIC_LOG.match(bare) or (bare != line and _EXCEPTION.match(bare)))
+
+    def close(self) -> str:
+        rest, self.partial = self.partial, ""
+        return rest if self.verbose or self._shown(rest) else ""
+
+
 def stream(
-    cmd: list[str], env: dict[str, str], log_path: Path, out=None, job_logs: dict[str, Path] | None = None
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    out=None,
+    job_logs: dict[str, Path] | None = None,
+    verbose: bool = False,
 ) -> int:
-    """Run cmd, copying its merged stdout/stderr to `out` (default sys.stdout) and log_path as it
-    comes (chunks, so progress bars are not held back until a newline). `job_logs` (output dir ->
-    log) splits a multi-job launch's output per job, log_path taking what precedes the first.
-    A Stopped (or Ctrl-C) stops the launch and is raised again."""
+    """Run cmd, copying its merged stdout/stderr to `out` (default sys.stdout; failure reports
+    left to the log, TerminalEcho) and log_path as it comes (chunks, so progress bars are not held
+    back until a newline). `job_logs` (output dir -> log) splits a multi-job launch's output per
+    job, log_path taking what precedes the first. The ranks learn whether `out` is a terminal
+    (a progress bar, or a line per logged step). A Stopped (or Ctrl-C) stops the launch and is
+    raised again."""
     out = out or sys.stdout
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    logs = JobLogs(log_path, job_logs)
+    logs, echo = JobLogs(log_path, job_logs), TerminalEcho(verbose)
+    env = {**env, PROGRESS_TTY_ENV: "1" if out.isatty() else "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         fd = proc.stdout.fileno()
@@ -187,14 +258,14 @@ def stream(
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            out.write(logs.write(decoder.decode(chunk)))
+            out.write(echo.filter(logs.write(decoder.decode(chunk))))
             out.flush()
         return proc.wait()
     except (Stopped, KeyboardInterrupt) as e:
         _stop(proc)
         raise (e if isinstance(e, Stopped) else Stopped(signal.SIGINT)) from None
     finally:
-        out.write(logs.close())
+        out.write(echo.filter(logs.close()) + echo.close())
         if logs.error:
             out.write(f"\nwarning: {logs.error}\n")
         proc.stdout.close()
@@ -206,9 +277,28 @@ _EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exceptio
 _LAUNCHER_NOISE = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
 
 
-def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
-    """The line of a failed launch's log that says why: the project's own `error: ...` line (a
-    rank says it once), else the last exception a rank raised (not torchrun's report of it)."""
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+
+
+def _root_cause(lines: list[str]) -> tuple[int, int] | None:
+    """(rank, exit code) of torchrun's report of the first rank that failed (negative: a signal)."""
+    at = max((i for i, line in enumerate(lines) if _ROOT_CAUSE in line), default=None)
+    if at is None:
+        return None
+    found = dict(m.groups() for line in lines[at : at + 12] if (m := _FIELD.match(line)))
+    if "rank" in found and "exitcode" in found:
+        return int(found["rank"]), int(found["exitcode"])
+    return None
+
+
+def _rank_of(line: str) -> int:
+    m = _RANK_PREFIX.match(line.strip())
+    return int(m.group(1)) if m else 0  # rank 0 says its own lines without a prefix
+
+
+def _launch_lines(log_path: Path, tail_bytes: int) -> list[str] | None:
     try:
         with open(log_path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
@@ -217,12 +307,49 @@ def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
         return None
     if any(line.startswith(SEPARATOR) for line in lines):  # only this launch's part of a reused log
         lines = lines[max(i for i, line in enumerate(lines) if line.startswith(SEPARATOR)) + 1 :]
-    for line in reversed(lines):
-        m = _OWN_LINE.match(line.strip())
-        if m:
-            return m.group(1)
-    for line in reversed(lines):
-        m = _EXCEPTION.match(line.strip())
-        if m and not any(noise in line for noise in _LAUNCHER_NOISE):
-            return m.group(1)
+    return lines
+
+
+_KILLED = re.compile(r"^error: rank (\d+) \(pid \d+\) was killed by (\w+)")  # core/process.py RankDeaths
+
+
+def _killed(rank: int, signame: str) -> str:
+    hint = ": out of memory? it left no error of its own; see the log" if signame == "SIGKILL" else ""
+    return f"rank {rank} was killed by {signame}{hint}"
+
+
+def _first_killed(lines: list[str]) -> str | None:
+    """A rank killed by a signal before any rank reported an error: the cause, whatever the
+    survivors then said (a lost connection) or torchrun observed first."""
+    for line in lines:
+        if m := _KILLED.match(line.strip()):
+            return _killed(int(m.group(1)), m.group(2))
+        if _OWN_LINE.match(line.strip()) or _EXCEPTION.match(line.strip()):
+            return None
     return None
+
+
+def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
+    """The line of a failed launch's log that says why, naming the rank that failed first: a rank
+    killed by a signal (named by its agent), else torchrun's first observed failure with that
+    rank's own `error: ...` line, else the last exception it raised, else the signal that killed
+    it; never a survivor's report of the lost connection."""
+    lines = _launch_lines(log_path, tail_bytes)
+    if lines is None:
+        return None
+    killed = _first_killed(lines)
+    if killed:
+        return killed
+    root = _root_cause(lines)
+    if root and root[1] < 0:
+        return _killed(root[0], signal.Signals(-root[1]).name if -root[1] in set(signal.Signals) else str(-root[1]))
+    for pattern in (_OWN_LINE, _EXCEPTION):
+        for line in reversed(lines):
+            m = pattern.match(line.strip())
+            if not m or any(noise in line for noise in _LAUNCHER_NOISE):
+                continue
+            if root is None:
+                return m.group(1)
+            if _rank_of(line) == root[0]:
+                return f"rank {root[0]}: {m.group(1)}"
+    return f"rank {root[0]} exited with code {root[1]}" if root else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from click.testing import CliRunner
 
 from recipes.cli import main
 from recipes.report import benchmarks as br
+from tests.committed import committed_names, copy_committed
 
 pytestmark = pytest.mark.core
 
@@ -23,13 +23,13 @@ SOURCES = ("peer_torchtitan.csv", "benchmarks.csv", "checkpoint_overhead.csv", "
 
 @pytest.fixture
 def results(tmp_path) -> Path:
-    """A copy of the committed measurements, outside git (so no line has a commit)."""
+    """A copy of the committed measurements (not what the README's main job rewrote on this
+    machine), outside git (so no line has a commit)."""
     out = tmp_path / "results"
-    (out / "records" / "proxy").mkdir(parents=True)
-    for path in (RESULTS / "records" / "proxy").glob("llama3_8b__table1__*.json"):
-        shutil.copy(path, out / "records" / "proxy" / path.name)
+    for rel in committed_names("results/records/proxy", "llama3_8b__table1__*.json"):
+        copy_committed(rel, out / "records" / "proxy" / Path(rel).name)
     for name in SOURCES:
-        shutil.copy(RESULTS / name, out / name)
+        copy_committed(f"results/{name}", out / name)
     return out
 
 
@@ -62,13 +62,15 @@ def test_report_reads_every_figure_with_its_provenance(results, tmp_path):
     assert len(records) == 6
     name = br.report_name(records)
     text = (out / name).read_text()
-    assert name == f"{max(r['finished_at'] for r in records)[:10]}-amd-epyc-avx2.md"
+    cpu, isa = br.split_device(records[0]["hardware"]["device"])  # the machine that made the records
+    machine = br.slug(cpu + " " + isa.split(",")[0])
+    assert name == f"{max(r['finished_at'] for r in records)[:10]}-{machine}.md"
     for rec in records:
         line = next(ln for ln in text.splitlines() if Path(rec["_path"]).name in ln)
         v = rec["versions"]
         for cell in (f"{rec['tokens_per_sec_per_device']:,.0f}", f"{rec['wall_s']:,.2f}", v["torch"], v["torchao"]):
             assert f" {cell} " in line, (cell, line)
-        assert f" {v['git']} " in line and " AVX2, no AVX-512, no AMX " in line
+        assert f" {v['git']} " in line and f" {br.split_device(rec['hardware']['device'])[1]} " in line
     with open(results / "peer_torchtitan.csv", newline="") as f:
         peer = list(csv.DictReader(f))
     ours = [r for r in peer if r["trainer"] == "titan-recipes"]

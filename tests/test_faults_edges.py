@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from core import run_folder
+from core import debug, run_folder
 from recipes import launcher, output
 from recipes.plan.layouts import plan
 from tests import fault_utils
@@ -351,6 +351,26 @@ def uninterrupted(tmp_path_factory) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+@pytest.mark.slow
+def test_a_killed_rank_is_named_not_the_survivor(tmp_path):
+    """A rank killed outright (SIGKILL: the OOM killer) leaves no error of its own, and the
+    survivor's gloo error is a lost connection: the last line names the killed rank."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recipes", "run", ROW, "--out", str(out), "--set", "training.steps=6"]
+    env = {**launcher.base_env(), debug.PAUSE_ENV: "2:120:1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    pid_file = out / "debug" / "pid_rank_1"
+    t0 = time.monotonic()
+    while not pid_file.is_file() and time.monotonic() - t0 < 240:
+        time.sleep(0.1)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    said, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1, said
+    last = said.strip().splitlines()[-1]
+    assert f"{ROW}: rank 1 was killed by SIGKILL" in last, said
+    assert "Connection" not in said and "Traceback" not in said, said
+
+
 def _ranks_of(out: Path) -> str:
     return subprocess.run(["pgrep", "-f", f"--config {out}/job.json"], capture_output=True, text=True).stdout.strip()
 
@@ -426,18 +446,29 @@ def test_every_signal_stops_the_run_at_any_moment(tmp_path, sig, moment):
 
 
 @pytest.mark.slow
-def test_a_failed_rank_is_the_last_line(tmp_path):
+@pytest.mark.parametrize("bad_rank", [None, 1])
+def test_a_failed_rank_is_the_last_line(tmp_path, bad_rank):
+    """A malformed document every rank reads (one shard, global sharding): said once. One only
+    rank 1 reads (per-rank sharding, its own shard): rank 1 says it, located in its own shard,
+    and that is the last line; the terminal shows no traceback, the log keeps them."""
     en = tmp_path / "corpus" / "en"
     en.mkdir(parents=True)
-    lines = _shard_lines(300)
-    lines[2:2] = [b'{"text": "unterminated\n']
-    with gzip.open(en / "c4-train.00000-of-00001.json.gz", "wb") as f:
-        f.writelines(lines)
+    shards = 1 if bad_rank is None else 2
+    for i in range(shards):
+        lines = _shard_lines(300 * (i + 1))[300 * i :]
+        if i == (bad_rank or 0):
+            lines[2:2] = [b'{"text": "unterminated\n']
+        with gzip.open(en / f"c4-train.{i:05d}-of-{shards:05d}.json.gz", "wb") as f:
+            f.writelines(lines)
     out = tmp_path / "run"
-    proc = _run_recipe(out, f"data.path='{tmp_path / 'corpus'}'", "training.steps=3")
+    sharding = "global" if bad_rank is None else "per_rank"
+    proc = _run_recipe(out, f"data.path='{tmp_path / 'corpus'}'", "training.steps=3", f"data.sharding='{sharding}'")
     said, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, said
     last = said.strip().splitlines()[-1]
-    assert f"{ROW}: error: " in last and "malformed document" in last and "c4-train.00000-of-00001.json.gz:3" in last
+    bad_file = f"c4-train.{bad_rank or 0:05d}-of-{shards:05d}.json.gz:3"
+    assert f"{ROW}: rank {bad_rank or 0}: error: " in last and "malformed document" in last and bad_file in last
     assert f"[log: {out / 'train.log'}]" in last
+    assert "Traceback" not in said and "ChildFailedError" not in said, said
+    assert "ChildFailedError" in (out / "train.log").read_text()  # torchrun's report stays in the log
     assert not (out / run_folder.LOCK).exists()

@@ -122,7 +122,7 @@ def test_the_launch_line_and_command_txt_are_shell_quoted(tmp_path, monkeypatch)
     launched = []
     monkeypatch.setattr(modes, "stream", lambda cmd, *a, **k: launched.append(cmd) or 1)
     out = tmp_path / "it's a run"
-    res = invoke("run", ROW, "--out", str(out))
+    res = invoke("run", ROW, "--out", str(out), "--verbose")  # --verbose echoes the launch command
     assert res.exit_code == 1 and launched, res.output  # the stand-in launch failed: no record
     (cmd,) = launched
     assert shlex.split((out / "command.txt").read_text()) == cmd

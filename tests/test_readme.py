@@ -146,3 +146,15 @@ def test_license_is_bsd_3_clause():
     text = (ROOT / "LICENSE").read_text()
     assert text.startswith("BSD 3-Clause License") and "Copyright (c) 2026, the Titan Recipes authors" in text
     assert "Neither the name of the copyright holder nor the names of its" in text
+
+
+def test_ci_runs_the_readme_commands_in_order():
+    """CI does what the README tells a new user: its set-up and main job, then its test command,
+    each line verbatim and in that order (a test reading what the main job rewrote fails there)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Set up and run (two commands)", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    at = [ci.index(command) for command in commands]
+    assert at == sorted(at) and "set -euo pipefail" in ci

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import torch
 
 from core.data.documents import BadDocumentError, DocumentSource, HFDocuments, JsonLinesDocuments, find_bad_line
-from core.data.sharding import SHARDINGS, check_resume_state, data_sharding, sharding_state, split_by_rank
+from core.data.sharding import SHARDINGS, check_resume_state, data_sharding, own_files, sharding_state, split_by_rank
 from core.data.shards import CORPUS_SETUP, CorpusError, c4_shards
 from core.data.synthetic import SyntheticDocuments, synthetic_document
 from core.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
@@ -119,7 +119,8 @@ def _open_c4_offline(path: str | None, split: str, rank: int = 0, world: int = 1
 
     try:  # the JSON reader opens the first shard for its columns here: a bad one must be named
         ds = load_dataset("json", data_files=files, split="train", streaming=True)
-        return HFDocuments(split_by_rank(ds, rank, world), files=files)
+        # a bad line is looked for in this rank's own shards only (C4 has 1,024 of them)
+        return HFDocuments(split_by_rank(ds, rank, world), files=own_files(files, rank, world))
     except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise many kinds; the file is named below
         where = find_bad_line(files)
         if where is None:

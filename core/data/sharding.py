@@ -35,6 +35,13 @@ def split_by_rank(dataset: Any, rank: int, world: int) -> Any:
     return split_dataset_by_node(dataset, rank=rank, world_size=world)
 
 
+def own_files(files: list[str], rank: int, world: int) -> list[str]:
+    """The shard files `split_by_rank` gives a DP rank: every world-th file from its own when
+    the count divides by the degree (datasets' shard strategy, `contiguous=False`), else all of
+    them (it then takes every world-th document of each)."""
+    return files[rank::world] if world > 1 and len(files) % world == 0 else files
+
+
 def sharding_state(sharding: str, dp_rank: int, dp_degree: int) -> dict:
     """What a per-rank loader state adds: whose documents it holds (global states add nothing)."""
     if sharding != "per_rank":
