@@ -32,6 +32,25 @@ def build_optimizer(model_parts: list[nn.Module], cfg: JobConfig) -> torch.optim
     )
 
 
+def follow_settings(optimizer: torch.optim.Optimizer, scheduler, cfg: JobConfig) -> float:
+    """After a resume: the optimizer's hyperparameters and the LR schedule are this run's (a
+    checkpoint restores the saved run's: its lr, and the lr its schedule had reached, 0 at the end
+    of a finished run), at the step reached, as an uninterrupted run with this config has them.
+    The optimizer's moments stay the checkpoint's. Returns the lr of the next step."""
+    o = cfg.optimizer
+    settings = {"lr": o.lr, "weight_decay": o.weight_decay}
+    if o.name != "SGD":
+        settings |= {"betas": (o.beta1, o.beta2), "eps": o.eps}
+    step = scheduler.last_epoch  # scheduler steps taken: one per optimizer step
+    factor = scheduler.lr_lambdas[0](step)
+    for group in optimizer.param_groups:
+        group.update(settings)
+        group["initial_lr"] = o.lr
+        group["lr"] = o.lr * factor
+    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+    return o.lr * factor
+
+
 def lr_factor(step: int, warmup: int, total: int, decay: str, min_factor: float) -> float:
     """LR multiplier at scheduler step `step` (0-based): linear warmup, then decay to min."""
     if warmup and step < warmup:

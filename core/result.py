@@ -96,6 +96,7 @@ class TrainOutcome:
     step_times_s: list[float]  # whole iterations: data + forward/backward + optimizer
     data_times_s: list[float]
     skipped_nonfinite_steps: list[int]
+    history: dict  # {"from_step": S, "losses": [...], "grad_norms": [...]}: every step since S (1: the run's start)
     skipped_bad_documents: list
     wall_s: float
     tokens_per_step: int
@@ -165,6 +166,7 @@ def result_record(o: TrainOutcome) -> dict:
         "skipped_bad_documents": o.skipped_bad_documents,
         "start_step": o.start_step,
         "losses": o.losses,
+        "history": o.history,  # the steps before a resume too, from the checkpoint
         "grad_norms": o.grad_norms,
         "step_times_s": o.step_times_s,
         "data_times_s": o.data_times_s,
@@ -191,6 +193,8 @@ def summary(record: dict) -> str:
     throughput and peak memory per device (the full record is result.json)."""
     losses = record.get("losses") or []
     start = record.get("start_step", 0)
+    if not losses and (record.get("config") or {}).get("checkpoint", {}).get("create_seed_checkpoint"):
+        return "a seed checkpoint: the initial weights saved as step 0, nothing trained"
     steps = f"steps {start + 1}-{start + len(losses)}" if start else f"{len(losses)} steps"
     loss = f"final loss {losses[-1]:.4f}" if losses else "no step finished"
     mfu = f", MFU {record['mfu']:.1%}" if record.get("mfu") is not None else ""

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from core.checkpoint.folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
-from core.config import ConfigError, JobConfig, save_config
+from core.config import ConfigError, JobConfig, flatten_keys, save_config
 from core.fileio import atomic_copy
 from core.models.args import model_args, model_shape
 
@@ -267,11 +267,27 @@ def make(name: str, out: str | Path | None, several: bool, runs_root: Path) -> P
     return d
 
 
-def claim(locks: contextlib.ExitStack, cfg: JobConfig, run_dir: Path) -> None:
+def claim(locks: contextlib.ExitStack, cfg: JobConfig, run_dir: Path) -> str | None:
     """Own `run_dir` until `locks` closes and check what the run would resume from there
-    (RunDirBusy naming the holder; ConfigError naming the key or the file)."""
+    (RunDirBusy naming the holder; ConfigError naming the key or the file). Returns the note a
+    resume prints: what this run changes from the checkpoint's."""
     locks.enter_context(lock(run_dir))
-    check_resume(cfg, run_dir)
+    check_same_recipe(cfg, run_dir)
+    return check_resume(cfg, run_dir)
+
+
+def check_same_recipe(cfg: JobConfig, run_dir: Path) -> None:
+    """A folder holding another recipe's run is not this run's to resume, nor its record to
+    overwrite (ConfigError): its checkpoint is started from only when asked (resume_from)."""
+    try:
+        theirs = json.loads((run_dir / "job.json").read_text()).get("job", {}).get("recipe", "")
+    except (OSError, ValueError, AttributeError):
+        return
+    if theirs and cfg.job.recipe and theirs != cfg.job.recipe:
+        raise ConfigError(
+            f"--out: {run_dir} holds a run of {theirs}, not {cfg.job.recipe}; use another --out (to start "
+            f"from its checkpoint: --set checkpoint.resume_from='{run_dir / cfg.checkpoint.folder}')"
+        )
 
 
 def write_job(cfg: JobConfig, run_dir: Path) -> Path:
@@ -305,22 +321,61 @@ def _resume_from_step(cfg: JobConfig) -> tuple[int, Path] | None:
         return None
 
 
-def check_resume(cfg: JobConfig, run_dir: Path) -> None:
+def check_resume(cfg: JobConfig, run_dir: Path) -> str | None:
     """What can be checked of the checkpoint the run would resume from, before anything runs
     (ConfigError naming the key or the file): training.steps above its step; its model shape
-    (titan.json) the run's."""
+    (titan.json) the run's; no change a resume cannot make. Returns the line that says what this
+    run changes from the checkpoint's config (applied from the next step), if anything."""
     steps = checkpoint_steps(cfg, run_dir)
     at = cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else (steps[-1] if steps else 0)
     where = run_dir / cfg.checkpoint.folder
     if not steps and cfg.checkpoint.enabled and cfg.checkpoint.resume_from:
         at, where = _resume_from_step(cfg) or (0, where)
+    if steps and cfg.checkpoint.create_seed_checkpoint:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint: {where} already holds checkpoints (step {steps[-1]}): a seed is "
+            "a new run's initial weights; use another --out"
+        )
     if at and at >= cfg.training.steps:
         raise ConfigError(
             f"training.steps: {cfg.training.steps} is not above the step {at} this run resumes "
             f"from ({where}); set training.steps > {at}"
         )
-    if cfg.checkpoint.enabled:
-        _check_resume_shape(cfg, run_dir)
+    if not cfg.checkpoint.enabled:
+        return None
+    _check_resume_shape(cfg, run_dir)
+    return _resume_changes(cfg, run_dir, at)
+
+
+# Keys a resume cannot change: the loader's saved position and the vocabulary are of these.
+NOT_ON_RESUME = ("data.dataset", "data.path", "data.sharding", "tokenizer.path")
+# Sections that say where and how a run is watched, not what it trains.
+NOT_COMPARED = ("job.", "checkpoint.", "metrics.", "profiling.", "comm.")
+
+
+def _resume_changes(cfg: JobConfig, run_dir: Path, at: int) -> str | None:
+    try:
+        path = resolve(run_dir / cfg.checkpoint.folder, cfg.checkpoint.load_step, cfg.checkpoint.resume_from)
+        theirs = read_info(path).get("config") if path is not None else None
+    except (CheckpointError, OSError):
+        return None  # the trainer names why, with the checkpoint's files in hand
+    if not theirs:
+        return None  # a checkpoint of before configs were saved with it
+    old, new = flatten_keys(theirs), flatten_keys(cfg.to_dict())
+    changed = [k for k in sorted(new) if not k.startswith(NOT_COMPARED) and k in old and old[k] != new[k]]
+    refused = [k for k in changed if k in NOT_ON_RESUME]
+    if refused:
+        raise ConfigError(
+            f"{refused[0]}: {old[refused[0]]!r} in the checkpoint at step {at} ({path}), {new[refused[0]]!r} here: "
+            "a resume continues the checkpoint's data; use another --out to start a new run"
+        )
+    if not changed:
+        return None
+    said = ", ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in changed)
+    return (
+        f"resuming from step {at} with this run's settings from step {at + 1} on (the LR schedule and the "
+        f"optimizer follow them): {said}"
+    )
 
 
 def _check_resume_shape(cfg: JobConfig, run_dir: Path) -> None:

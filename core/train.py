@@ -52,7 +52,7 @@ from core.metrics import (
 )
 from core.models.args import model_args
 from core.noise import quiet_library_warnings
-from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_settings
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
 from core.process import die_with_parent, exit_process, process_age_s, record_rank_pid
@@ -231,16 +231,27 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- loop
     def train(self) -> dict:
-        """Resume, run the loop to training.steps and return the record (a collective)."""
-        run_log = self._loop(self._resume())
+        """Resume, run the loop to training.steps and return the record (a collective). A seed
+        checkpoint run saves the initial weights as step 0 and stops there."""
+        start = self._resume()
+        seed = self.cfg.checkpoint.create_seed_checkpoint
+        if seed and self.checkpointer and self.checkpointer.loaded_from is not None:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint: {self.checkpointer.folder} already holds a checkpoint "
+                f"({self.checkpointer.loaded_from.name}): a seed is a new run's initial weights; use another --out"
+            )
+        run_log = LoopLog(start) if seed else self._loop(start)
         if self.checkpointer:
             self.checkpointer.close()
         return result_record(self._outcome(run_log))
 
     def _resume(self) -> int:
-        """Load the latest checkpoint (if any); the step the loop starts after."""
-        if self.checkpointer:
-            self.checkpointer.load()
+        """Load the latest checkpoint (if any); the step the loop starts after. A resumed run
+        follows this run's optimizer settings and LR schedule from its next step on."""
+        if self.checkpointer and self.checkpointer.load():
+            lr = follow_settings(self.optimizer, self.lr_scheduler, self.cfg)
+            if self.rank == 0:
+                log.info(f"[checkpoint] step {self.step + 1} on: this run's optimizer and LR schedule (lr {lr:.3g})")
         start = self.step
         if start >= self.cfg.training.steps and self.checkpointer:  # (a fresh run starts at 0)
             raise CheckpointError(
@@ -288,6 +299,7 @@ class Trainer:
                     self._nonfinite_step(result, run_log.skipped_nonfinite_steps)
                 run_log.losses.append(result.loss)
                 run_log.grad_norms.append(result.grad_norm)
+                self.train_state.record(result.loss, result.grad_norm)  # saved with the checkpoint
                 run_log.step_times_s.append(dt)
                 run_log.data_times_s.append(data_dt)
                 metrics.log(self.step, result.loss, result.grad_norm, lr, dt, data_dt)
@@ -345,6 +357,7 @@ class Trainer:
             step_times_s=run_log.step_times_s,
             data_times_s=run_log.data_times_s,
             skipped_nonfinite_steps=run_log.skipped_nonfinite_steps,
+            history={"from_step": self.train_state.history_from, **self.train_state.history},
             skipped_bad_documents=self.dataloader.bad_documents,
             wall_s=run_log.wall_s,
             tokens_per_step=self.tokens_per_step,

@@ -365,7 +365,9 @@ def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) ->
         return
     try:
         row.run_dir = run_folder.make(row.recipe.fname, options.out, options.several, paths.default_runs_dir())
-        run_folder.claim(locks, row.cfg, row.run_dir)
+        note = run_folder.claim(locks, row.cfg, row.run_dir)
+        if note:
+            click.echo(f"note: {row.recipe.id}: {note}", err=True)
     except (run_folder.RunDirBusy, CheckpointError) as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:

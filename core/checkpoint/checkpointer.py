@@ -69,6 +69,7 @@ from core.checkpoint.folder import (
     METADATA,
     CheckpointError,
     folder_bytes,
+    move_later_aside,
     publish,
     purge,
     read_info,
@@ -174,7 +175,8 @@ class Checkpointer:
     def load(self) -> bool:
         """Restore the latest complete checkpoint (or checkpoint.load_step / resume_from).
         Returns whether anything was loaded (the step is then in the train state). Nothing on
-        disk is modified except stale `step-N.tmp` folders of a run killed mid-save."""
+        disk is modified except stale `step-N.tmp` folders of a run killed mid-save, and the
+        checkpoints later than checkpoint.load_step, moved aside (renamed, never deleted)."""
         c = self.cfg.checkpoint
         box: list = [None, None, None, 0]  # path, error, verification plan, bytes on disk
         if self.rank == 0:
@@ -183,6 +185,13 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             try:
                 path = resolve(self.folder, c.load_step, c.resume_from)
+                if path is not None and c.load_step >= 0:  # into the past: later saves must not replace
+                    moved = move_later_aside(self.folder, c.load_step)
+                    if moved:
+                        log.warning(
+                            f"[checkpoint] resuming from step {c.load_step}: the later checkpoints were moved "
+                            f"aside, kept and never loaded: {', '.join(str(m) for m in moved)}"
+                        )
                 if path is not None:
                     box = [path, None, verification_plan(path, dist.get_world_size(self.pg)), folder_bytes(path)]
             except CheckpointError as e:
@@ -232,6 +241,7 @@ class Checkpointer:
         full = any(k.startswith("optimizer.") for k in stored)
         items: dict[str, Stateful] = {"model": ModelState(self.parts)}
         if "train_state.step" in stored and (full or path.parent == self.folder):
+            self.train_state.with_history = "train_state.history" in stored  # older checkpoints have none
             items["train_state"] = self.train_state
         if not full:
             return items
@@ -326,6 +336,7 @@ class Checkpointer:
             "dp_degree": self.dp_degree,
             "torch": torch.__version__,
             "manifest": MANIFEST,  # written with one: a missing one is damage
+            "config": self.cfg.to_dict(),  # what ran: a resume says what it changes (core/run_folder.py)
         }
 
     @torch.no_grad()
@@ -435,15 +446,20 @@ class Checkpointer:
             self._failed(step, tmp, "checksums", errors[0])
         self.last_bytes = sum(p["bytes"] for p in parts)
         progress.notes["checksums"] = slowest(parts)
+        failed: list[BaseException | None] = [None]
         if self.rank == 0:
             try:
                 with progress.phase("manifest and rename"):
                     atomic_write_json(tmp / INFO, info, indent=1)
                     self.last_bytes = write_manifest(tmp, parts)
                     publish(tmp, self.folder, step)
+                purge(self.folder, self.keep_latest_k)
             except OSError as e:
-                self._failed(step, tmp, "finalize", e)
-            purge(self.folder, self.keep_latest_k)
+                failed = [e]
+        # every rank learns whether rank 0 could finish: all raise alike, none walks on alone
+        dist.broadcast_object_list(failed, src=0, group=self.pg)
+        if failed[0] is not None:
+            self._failed(step, tmp, "finalize", failed[0])
         progress.done()
 
     def _failed(self, step: int, tmp: Path, what: str, e: BaseException) -> None:
@@ -451,7 +467,8 @@ class Checkpointer:
         and raise one CheckpointError naming the folder, the cause and, for a full disk, the space."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        need = self.last_bytes or dist.get_world_size() * 3 * self.parts.state_bytes()  # weights + two Adam moments
+        # the whole checkpoint: the weights (a DTensor counts its global size) and two Adam moments
+        need = self.last_bytes or 3 * self.parts.state_bytes()
         raise save_error(self.folder, tmp, step, what, e, need) from None
 
     def close(self) -> None:

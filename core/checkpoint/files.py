@@ -70,7 +70,8 @@ def save_error(folder: Path, tmp: Path, step: int, what: str, e: BaseException, 
     latest = complete_steps(folder)
     kept = f"latest complete checkpoint kept: step-{max(latest)}" if latest else "no complete checkpoint"
     cause, free = _cause(e), shutil.disk_usage(folder if folder.exists() else folder.parent).free
-    if _errno(e) == errno.ENOSPC or free < need:  # torch's zip writer may hide the errno
+    code = _errno(e)
+    if code == errno.ENOSPC or (code is None and free < need):  # torch's zip writer may hide the errno
         cause = (
             f"no space left on device: a checkpoint needs about {need / 2**20:.1f} MiB, "
             f"{free / 2**20:.1f} MiB free on {folder} ({cause})"

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from core.logs import get_logger
@@ -52,18 +53,38 @@ def rename_complete(tmp: Path, final: Path) -> Path:
 
 
 def publish(tmp: Path, folder: Path, step: int) -> Path:
-    """Mark the checkpoint in `tmp` complete: rename it to `step-N` (a damaged `step-N` is moved
-    aside and said; a complete one, a re-run of the same step, is replaced)."""
+    """Mark the checkpoint in `tmp` complete: rename it to `step-N`. A `step-N` already there (a
+    damaged one, or a run that went back to an earlier step by another way) is moved aside and
+    said, never deleted."""
     final = step_dir(folder, step)
     move_aside_if_damaged(final)
-    if final.exists():  # a re-run of the same step (load_step into the past): replace it
-        old = folder / f"step-{step}.old{TMP}"
-        os.replace(final, old)
-        rename_complete(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        rename_complete(tmp, final)
-    return final
+    if final.exists():
+        aside = _aside(final, "replaced")
+        os.replace(final, aside)
+        log.warning(f"[checkpoint] {final} existed: moved to {aside} (kept) before the new save took its name")
+    return rename_complete(tmp, final)
+
+
+def _aside(path: Path, why: str) -> Path:
+    """Where a checkpoint folder moved aside goes: beside it, a name no step reads."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.{why}-{stamp}-{n}"), n + 1
+    return aside
+
+
+def move_later_aside(folder: Path, step: int) -> list[Path]:
+    """A run resumed from `step` (checkpoint.load_step into the past) will save the later steps
+    again: their checkpoints, complete, incomplete or damaged, are renamed aside first (kept,
+    never loaded again). Returns where they went."""
+    later = {**complete_steps(folder), **incomplete_steps(folder)}
+    moved = []
+    for s in sorted(k for k in later if k > step):
+        aside = _aside(later[s], "superseded")
+        os.replace(later[s], aside)
+        moved.append(aside)
+    return moved
 
 
 def purge(folder: Path, keep_latest_k: int) -> None:

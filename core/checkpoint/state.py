@@ -10,6 +10,7 @@ Keys on disk (DCP flattens one level per dict):
     optimizer.param_groups.<fqn>.<k>
     lr_scheduler.json                 the scheduler's state_dict as JSON
     train_state.step                  the optimizer steps taken
+    train_state.history               every step's loss and grad norm since the run began (JSON)
     dataloader.dp_rank_<r>            JSON of dp rank r's loader state
     rng.rank_<R>                      torch RNG state of global rank R
 """
@@ -137,16 +138,35 @@ class RngState(Stateful):
 
 
 class TrainState(Stateful):
-    """What the training loop carries across a restart besides the objects it checkpoints."""
+    """What the training loop carries across a restart besides the objects it checkpoints: the
+    optimizer steps taken, and every step's loss and grad norm since the run began (`history`,
+    from step `history_from`), so a resumed run's record holds the steps before the resume too.
+    A checkpoint written before the history existed loads without it (`with_history` False)."""
 
     def __init__(self, step: int = 0):
         self.step = step
+        self.history_from = 1
+        self.history: dict[str, list[float]] = {"losses": [], "grad_norms": []}
+        self.with_history = True
+
+    def record(self, loss: float, grad_norm: float) -> None:
+        self.history["losses"].append(loss)
+        self.history["grad_norms"].append(grad_norm)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        if not self.with_history:
+            return {"step": self.step}
+        return {"step": self.step, "history": json.dumps({"from_step": self.history_from, **self.history})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
+        if "history" in state_dict:
+            history = json.loads(state_dict["history"])
+            self.history_from = int(history.pop("from_step", 1))
+            self.history = {k: list(v)[: self.step - self.history_from + 1] for k, v in history.items()}
+        else:  # an older checkpoint: the history starts after it
+            self.history_from, self.history = self.step + 1, {"losses": [], "grad_norms": []}
+        self.with_history = True
 
 
 def dataloader_key(dp_rank: int) -> str:

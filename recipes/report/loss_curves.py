@@ -111,13 +111,22 @@ def curves(records: dict[str, dict]) -> pd.DataFrame:
     for r in rows():
         rec = records.get(r.id)
         if rec and rec.get("losses"):
-            start = int(rec.get("start_step") or 0)
+            first, losses = loss_steps(rec)
             cols[column(r.id)] = pd.Series(
-                [float(x) for x in rec["losses"]], index=range(start + 1, start + 1 + len(rec["losses"])), dtype=float
+                [float(x) for x in losses], index=range(first, first + len(losses)), dtype=float
             )
     df = pd.DataFrame(cols)
     df.index.name = "step"
     return df
+
+
+def loss_steps(rec: dict) -> tuple[int, list[float]]:
+    """(first step, losses from it) of a record: a resumed run's whole history when its
+    checkpoint kept it (record["history"]), else the steps of its last launch."""
+    history = rec.get("history") or {}
+    if history.get("losses") and int(history.get("from_step", 0)) <= int(rec.get("start_step") or 0) + 1:
+        return int(history["from_step"]), history["losses"]
+    return int(rec.get("start_step") or 0) + 1, rec["losses"]
 
 
 def smooth(df: pd.DataFrame, span: int = SMOOTH_SPAN) -> pd.DataFrame:
@@ -132,7 +141,7 @@ def comparable(rec: dict, base: dict) -> list[str]:
         b = (base.get("config") or {}).get(section, {}).get(key)
         if a != b:
             why.append(f"{section}.{key} {a!r} != control's {b!r}")
-    if rec.get("start_step") or base.get("start_step"):
+    if any(loss_steps(r)[0] > 1 for r in (rec, base) if r.get("losses")):
         why.append("resumed from a checkpoint without the earlier steps' losses")
     for r in (rec, base):
         diff = (r.get("resumed") or {}).get("replayed_steps_max_abs_diff", 0.0)
