@@ -138,7 +138,7 @@ class Data:
 class Training:
     steps: int = field(default=10, metadata={"doc": "optimizer steps"})
     local_batch_size: int = field(default=8, metadata={"doc": "sequences per data-parallel rank and step"})
-    seq_len: int = field(default=256, metadata={"doc": "tokens per sequence"})
+    seq_len: int = field(default=256, metadata={"doc": "tokens per sequence (at most 1,048,576)"})
     grad_accum_steps: int = field(default=1, metadata={"doc": "microsteps accumulated per optimizer step"})
     max_norm: float = field(default=1.0, metadata={"doc": "grad-norm clipping; <= 0 disables"})
     mixed_precision_param: DType = field(
@@ -259,7 +259,8 @@ class Compile:
     )
     fullgraph: bool = field(default=True, metadata={"doc": "one graph per block (no graph breaks)"})
     emulate_precision_casts: bool = field(
-        default=False, metadata={"doc": "round fused bf16 values as eager does (for parity checks)"}
+        default=False,
+        metadata={"doc": "round fused bf16 values as eager does (parity checks; always on for rowwise Float8)"},
     )
     shared_cache: SharedCache = field(
         default="auto",

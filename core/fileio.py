@@ -7,6 +7,7 @@ The temporary name is unique (mkstemp), so concurrent writers of one file never 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -53,3 +54,20 @@ def atomic_copy(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
     with atomic_path(dest) as tmp:
         shutil.copyfile(src, tmp)
     return Path(dest)
+
+
+def check_writable_folder(folder: str | os.PathLike) -> None:
+    """Raise OSError naming the place unless a file can be made in `folder`, or, where it does not
+    exist yet, in the nearest folder above it (where it would be made). Checked before any work, so
+    a read-only or misspelt output place is one line, not a traceback after the run. The probe is
+    an unnamed file (O_TMPFILE where the system has it): nothing is left behind."""
+    probe = Path(folder).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of the folder", str(probe))
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(probe)) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -28,16 +29,39 @@ from core.models.args import ModelArgs, param_count
 
 log = get_logger(__name__)
 
-# Peak dense bf16 FLOP/s per device (vendor figures).
+# Peak dense bf16 FLOP/s per device (vendor figures), by the GPU model `gpu_model` reads from
+# the device's name. A model not here (H200 NVL, GB200, H800, L40S, ...) gets no peak and so no
+# MFU, never another model's figure: metrics.peak_flops gives one.
 PEAK_FLOPS = {
     "H100 SXM": 989e12,
     "H100 NVL": 835e12,
     "H100 PCIe": 756e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "B200": 2.25e15,
+    "H200 SXM": 989e12,
+    "A100 SXM": 312e12,
+    "A100 PCIe": 312e12,
+    "B200 SXM": 2.25e15,
     "MI300X": 1.3e15,
 }
+# The names CUDA and ROCm report, matched whole: the vendor, the model (one word), then only
+# words that say the form factor or the memory ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+# "NVIDIA H100 PCIe", "AMD Instinct MI300X VF"). Any other word makes it another part.
+GPU_NAME = re.compile(
+    r"(?:NVIDIA|AMD Instinct) (?P<model>[A-Z]+\d+[A-Z]?)(?P<rest>(?:[- ](?:SXM\d?|PCIe|NVL|\d+GB|HBM\w*|VF))*)",
+    re.IGNORECASE,
+)
+
+
+def gpu_model(name: str) -> str | None:
+    """The model a device name reports, as PEAK_FLOPS names it: NVIDIA's with its form factor
+    (NVL, PCIe, else SXM: 'NVIDIA H200 NVL' -> 'H200 NVL'), AMD's as it is; None for a name
+    outside GPU_NAME's pattern."""
+    m = GPU_NAME.fullmatch(name.strip())
+    if m is None:
+        return None
+    model, words = m["model"].upper(), m["rest"].upper().replace("-", " ").split()
+    if name.strip().upper().startswith("AMD"):
+        return model
+    return f"{model} {'NVL' if 'NVL' in words else 'PCIe' if 'PCIE' in words else 'SXM'}"
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -49,11 +73,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 def cuda_peak_flops(name: str) -> float | None:
     """The vendor's dense bf16 peak of a GPU this table knows; None for any other (an H800, H20,
-    L40S ...: MFU then needs metrics.peak_flops, never a guess)."""
-    for key in ("H100 NVL", "H100 PCIe", "H100", "H200", "A100", "B200", "MI300X"):
-        if key in name:
-            return PEAK_FLOPS["H100 SXM" if key == "H100" else key]
-    return None
+    H200 NVL, GB200, L40S ...: MFU then needs metrics.peak_flops, never a guess)."""
+    return PEAK_FLOPS.get(gpu_model(name) or "")
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, max_n: int = 2048, repeats: int = 5) -> float:
@@ -94,7 +115,11 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         peak = cuda_peak_flops(name)
-        source = "vendor bf16 dense" if peak else "unknown GPU: no MFU without metrics.peak_flops"
+        source = (
+            f"vendor bf16 dense ({gpu_model(name)})"
+            if peak
+            else f"no peak known for {name!r} (core/metrics.py PEAK_FLOPS): no MFU without metrics.peak_flops"
+        )
         return {"device": name, "peak_flops": peak, "peak_source": source}
     return {
         "device": f"cpu ({cpu_model()}, {os.cpu_count()} cores)",
@@ -243,6 +268,7 @@ class StepLog:
             )
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, dt: float, data_dt: float) -> None:
+        """One step's line; `lr`: the rate its update used (read before the scheduler steps)."""
         tps = self.tokens_per_device / dt
         if step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps:
             values = {

@@ -65,11 +65,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     _check_override_text(dotted, raw)
     if dotted.count(".") != 1:
         raise ConfigError(f"{_cut(dotted)}: an override key must be section.key")
-    section, key = dotted.split(".")
+    section, key = (part.strip() for part in dotted.split("."))  # `training.steps = 5` as TOML reads it
+    dotted = f"{section}.{key}"
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except (tomllib.TOMLDecodeError, ValueError):  # ValueError: Python's limit on int digits
-        value = raw
+        value = raw = raw.strip()
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OVERRIDE_INT:
         raise ConfigError(f"{dotted}: {_cut(raw)} is beyond a 64-bit integer")
     if isinstance(value, str) and value == raw and raw.strip().lstrip("+-").isdigit():

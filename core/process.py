@@ -66,6 +66,31 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), signum)
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit, as the sbatch script does
+    for the job (`ulimit -n $(ulimit -Hn)`): gloo keeps a socket per peer in each of its three or
+    four groups, which at 512 ranks passes a soft 1024 inherited through SLURM. A hard limit of
+    'unlimited' is capped at the kernel's fs.nr_open. Returns (soft before, soft after); where the
+    system has no such limit, or refuses, the limit stays as it was."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return (soft, soft)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return (soft, soft)
+    return (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
 # ------------------------------------------------------------------ which rank died, and how
 RANK_PIDS_ENV = "TITAN_RANK_PIDS"  # a folder where each rank leaves its pid, named by its rank
 QUIET_DEATHS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # how an agent stops its ranks

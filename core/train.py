@@ -290,6 +290,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
                 data_dt = time.perf_counter() - t0
+                lr = self.lr_scheduler.get_last_lr()[0]  # the step's own: the scheduler steps after its update
                 result = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -303,7 +304,7 @@ class Trainer:
                 self.train_state.record(result.loss, result.grad_norm)  # saved with the checkpoint
                 run_log.step_times_s.append(dt)
                 run_log.data_times_s.append(data_dt)
-                metrics.log(self.step, result.loss, result.grad_norm, self.lr_scheduler.get_last_lr()[0], dt, data_dt)
+                metrics.log(self.step, result.loss, result.grad_norm, lr, dt, data_dt)
                 if self.checkpointer:
                     self.checkpointer.maybe_save(self.step)
                 if self.step == start_step + 1:

@@ -110,12 +110,23 @@ _RANGES = {  # key: (test, what it means); every value must also be finite
 }
 
 
+# The longest sequence a run may ask for: 4x the paper's longest rows (262,144 tokens, Tables 4
+# and 5). The RoPE table, every data window and each attention are this long: a mistyped length
+# fails here, not as an out-of-memory in every rank after spawn.
+MAX_SEQ_LEN = 1 << 20
+
+
 def _check_values(cfg: JobConfig) -> None:
     """Numbers in their meaningful range (a NaN learning rate or beta1 = 2 fails here, not in the ranks)."""
     for key, (ok, what) in _RANGES.items():
         v = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if not (math.isfinite(v) and ok(v)):
             raise ConfigError(f"{key}: must be finite and {what}, got {v}")
+    if cfg.training.seq_len > MAX_SEQ_LEN:
+        raise ConfigError(
+            f"training.seq_len: {cfg.training.seq_len:,} tokens is above {MAX_SEQ_LEN:,} "
+            "(4x the paper's longest sequence, 262,144)"
+        )
 
 
 def _check_tokenizer(cfg: JobConfig) -> int:
@@ -154,8 +165,8 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
         raise ConfigError(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
     if cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step: must be >= 0, or -1 for the latest, got {cfg.checkpoint.load_step}")
-    if cfg.checkpoint.folder in ("", ".", "..") or os.path.isabs(cfg.checkpoint.folder):
-        raise ConfigError(f"checkpoint.folder: {cfg.checkpoint.folder!r} must be a sub-folder name of job.output_dir")
+    for key in ("checkpoint.folder", "comm.fr_dump_folder"):
+        _check_sub_folder(cfg, key)
     for key in ("init_timeout_seconds", "train_timeout_seconds", "checkpoint_timeout_seconds"):
         if getattr(cfg.comm, key) <= 0:
             raise ConfigError(f"comm.{key}: must be > 0, got {getattr(cfg.comm, key)}")
@@ -237,7 +248,15 @@ def _check_profiling(cfg: JobConfig) -> None:
             f"profiling.start_step: steps {prof.start_step}..{last} run past training.steps={steps} "
             "(lower profiling.start_step or profiling.steps)"
         )
-    if prof.folder in ("", ".", "..") or os.path.isabs(prof.folder) or prof.folder == cfg.checkpoint.folder:
-        raise ConfigError(
-            f"profiling.folder: {prof.folder!r} must be a sub-folder name of job.output_dir other than the checkpoint's"
-        )
+    _check_sub_folder(cfg, "profiling.folder")
+    if os.path.normpath(prof.folder) == os.path.normpath(cfg.checkpoint.folder):
+        raise ConfigError(f"profiling.folder: {prof.folder!r} is the checkpoint's folder: name another")
+
+
+def _check_sub_folder(cfg: JobConfig, key: str) -> None:
+    """A folder key read under job.output_dir names a folder inside it: `../x` or an absolute
+    path would write outside the run folder (and another run's lock would not cover it)."""
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    if os.path.isabs(value) or os.path.normpath(value) in (".", "..") or ".." in Path(value).parts:
+        raise ConfigError(f"{key}: {value!r} must be a sub-folder of job.output_dir (no '..', not absolute)")

@@ -199,7 +199,7 @@ def keys_cmd(pattern):
     rows = [
         [k, _short(defaults.get(k)), ", ".join(choices.get(k, ())), doc]
         for k, doc in field_docs().items()
-        if pattern in k
+        if pattern in k and k not in registry.CLI_OWNED_KEYS  # set by --mode, the id, --out
     ]
     if not rows:
         _fail(f"error: no config key contains {pattern!r}; see `run-recipe keys`", EXIT_CONFIG)
@@ -416,14 +416,19 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
 def results_cmd(records_dir, out_dir, skip_bad_records):
     """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
     from recipes.report import results  # pandas + matplotlib: only for the command that writes tables
-    from recipes.report.table_data import RecordError
+    from recipes.report.table_data import NoRecordsError, RecordError
 
     records = Path(records_dir) if records_dir else paths.default_records_dir()
     out = Path(out_dir) if out_dir else paths.project_root() / "results"
+    options.check_writable("--out", out)
     try:
         written = results.write_results(records, out, skip_bad_records)
     except RecordError as e:
         _fail(f"error: {e}; no table was written (fix or remove it, or add --skip-bad-records)", EXIT_CONFIG)
+    except NoRecordsError as e:
+        _fail(f"error: --records-dir {e}; no table was written", EXIT_CONFIG)
+    except OSError as e:  # a disk that filled or went read-only since the check
+        _fail(f"error: --out {out}: cannot write {e.filename}: {e.strerror or e}", EXIT_FAILED)
     for path in written:
         click.echo(str(path))
 

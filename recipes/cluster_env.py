@@ -47,11 +47,25 @@ def node_local_reason(path: Path) -> str | None:
     return None
 
 
+def node_env_assignments() -> list[str]:
+    """`NAME=value` shell words of what every real launch sets on its node (the local launch sets
+    them itself, recipes/modes.py RealMode.env): the allocator, and a node-local inductor cache
+    (every rank of every node compiling into one folder on the cluster's file system is slow and
+    racy). Each keeps a value the node's shell already has."""
+    return [
+        f"PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-{CUDA_ALLOC_CONF}}}",
+        "TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/titan_inductor_${USER:-user}}",
+    ]
+
+
 def sbatch_env_lines(nproc: int) -> list[str]:
     """The sbatch script's environment, each variable overridable by the submitting shell: CPU
     threads per rank from the node's cores, the allocator, a node-local inductor cache (every
     rank of every node compiling into one folder on the cluster's file system is slow and racy)."""
     return [
+        # the open-file limit SLURM passes on may be a soft 1024: gloo's groups at 512 ranks need more
+        # (the trainer raises it too: core/process.py raise_open_file_limit); srun hands it to the tasks
+        'ulimit -n "$(ulimit -Hn)" 2>/dev/null || true',
         "cpus_per_node=${SLURM_CPUS_ON_NODE:-$(nproc)}",
         # torchrun binds each rank to the CPUs near its GPU (it needs numactl; TITAN_NUMA_BINDING=""
         # turns it off, or names another of torchrun's modes)
@@ -62,6 +76,5 @@ def sbatch_env_lines(nproc: int) -> list[str]:
         # OMP threads per rank: the node's cores over the ranks, at least 1.
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cpus_per_node / {nproc} > 0 ? "
         f"cpus_per_node / {nproc} : 1 ))}}",
-        f"export PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-{CUDA_ALLOC_CONF}}}",
-        "export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/titan_inductor_${USER:-user}}",
+        *(f"export {assignment}" for assignment in node_env_assignments()),
     ]

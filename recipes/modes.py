@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,9 @@ from typing import ClassVar
 import click
 
 from core import run_folder
+from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
+from core.fileio import check_writable_folder
 from core.result import summary
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
@@ -225,7 +228,14 @@ class RealMode(RowMode):
         if self.options.slurm:
             script = row.run_dir / "sbatch.sh"
             text = multinode.sbatch_script(
-                r, row.cfg, row.run_dir, row.nnodes, nproc, self.options.records, self.options.sbatch_opts
+                r,
+                row.cfg,
+                row.run_dir,
+                row.nnodes,
+                nproc,
+                self.options.records,
+                self.options.sbatch_opts,
+                max_restarts=self.options.max_restarts,
             )
             script.write_text(text)
             script.chmod(0o755)
@@ -233,7 +243,10 @@ class RealMode(RowMode):
             return True
         where = "On every node, with HOST the first node's address:"
         click.echo(f"{r.id} needs {row.nnodes} nodes x {nproc} GPUs. {where}\n")
-        click.echo("  " + multinode.multinode_command(row.nnodes, nproc, row.job, r.fname) + "\n")
+        command = multinode.multinode_command(
+            row.nnodes, nproc, row.job, r.fname, max_restarts=self.options.max_restarts
+        )
+        click.echo("  " + command + "\n")
         click.echo("or let run-recipe write an sbatch script: add --slurm")
         return True
 
@@ -296,10 +309,10 @@ def groups(rows: list[Row], shared: bool) -> list[list[Row]]:
 
 def _launch(rows: list[Row], mode: RowMode) -> tuple[int, float]:
     cmd = mode.command(rows[0].world, [r.job for r in rows], mode.options.max_restarts)
-    for r in rows:
-        (r.run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    for r in rows:  # shell-quoted: a folder with a space or quote pastes back as one argument
+        (r.run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     if mode.options.verbose:
-        click.echo("$ " + " ".join(cmd))
+        click.echo("$ " + shlex.join(cmd))
     logs = {r.cfg.job.output_dir: r.run_dir / "train.log" for r in rows} if len(rows) > 1 else None
     started = time.time()
     env = mode.env(rows[0].world)
@@ -355,7 +368,7 @@ def claim_run_dir(locks: contextlib.ExitStack, row: Row, options: RunOptions) ->
         note = run_folder.claim(locks, row.cfg, row.run_dir)
         if note:
             click.echo(f"note: {row.recipe.id}: {note}", err=True)
-    except run_folder.RunDirBusy as e:
+    except (run_folder.RunDirBusy, CheckpointError) as e:
         raise RowRefused(f"error: {row.recipe.id}: {e}") from None
     except ConfigError as e:
         raise RowRefused(f"config error: {row.recipe.id}: {e}") from None
@@ -374,9 +387,21 @@ def claim_existing_run_dirs(locks: contextlib.ExitStack, rows: list[Row], option
             claim_run_dir(locks, row, options)
 
 
+def check_records_dir(options: RunOptions) -> None:
+    """The records folder can be written: found before the runs, not after them (RowRefused)."""
+    if options.records is None:
+        return
+    try:
+        check_writable_folder(options.records)
+    except OSError as e:
+        where = f"--records-dir {options.records}"
+        raise RowRefused(f"error: {where}: cannot write in {e.filename}: {e.strerror}") from None
+
+
 def run_rows(mode: RowMode, recipes: list[Recipe], overrides: tuple[str, ...]) -> list[str]:
     """`run-recipe run`: every check for every row first, then each row runs; the ids that failed."""
     mode.check_options()
+    check_records_dir(mode.options)
     rows = [mode.plan(r, overrides) for r in recipes]
     with contextlib.ExitStack() as locks:  # each run folder is owned until the command ends
         claim_existing_run_dirs(locks, rows, mode.options)

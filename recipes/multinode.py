@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core.config import JobConfig
 from core.run_folder import RUN_LOCK_ENV
-from recipes.cluster_env import sbatch_env_lines
+from recipes.cluster_env import node_env_assignments, sbatch_env_lines
 from recipes.launcher import torchrun_command, torchrun_exe, trainer_target
 from recipes.paths import project_root
 from recipes.schema import Recipe
@@ -18,18 +18,25 @@ RDZV_PORT = 29500
 
 
 def multinode_command(
-    nnodes: int, nproc: int, config_path: Path, rdzv_id: str, endpoint: str = f"$HOST:{RDZV_PORT}"
+    nnodes: int,
+    nproc: int,
+    config_path: Path,
+    rdzv_id: str,
+    endpoint: str = f"$HOST:{RDZV_PORT}",
+    max_restarts: int = 0,
 ) -> str:
-    """The command to run on every node; HOST is the first node's address."""
+    """The command to run on every node, with the environment a local launch and the sbatch
+    script set (recipes/cluster_env.py); HOST is the first node's address."""
     cmd = torchrun_command(
         nproc,
         trainer_target(shlex.quote(str(config_path))),
         nnodes=nnodes,
         rdzv_id=rdzv_id,
         rdzv_endpoint=endpoint,
+        max_restarts=max_restarts,
         exe="torchrun",
     )
-    return " ".join(cmd)
+    return " ".join([*node_env_assignments(), *cmd])
 
 
 SRUN_WAIT_S = 60  # seconds srun waits for the other tasks after the first one ends
@@ -57,6 +64,7 @@ def sbatch_script(
     nproc: int,
     records_dir: Path | None,
     extra: list[str] | tuple[str, ...] = (),
+    max_restarts: int = 0,
 ) -> str:
     q = shlex.quote
     cmd = torchrun_command(
@@ -65,11 +73,13 @@ def sbatch_script(
         nnodes=nnodes,
         rdzv_id='"$SLURM_JOB_ID"',
         rdzv_endpoint=f'"$head_node:{RDZV_PORT}"',
+        max_restarts=max_restarts,
         exe=q(torchrun_exe()),
         launcher_args=["$numa_flag"],
     )
-    # one shell line per group: executable | nodes, ranks, CPU binding | rendezvous | what each rank runs
-    exe, dims, rdzv, target = cmd[:1], cmd[1:4], cmd[4:7], cmd[7:]
+    # one shell line per group: executable | nodes, ranks, CPU binding | rendezvous (and restarts) | what each rank runs
+    target_at = cmd.index("-m")
+    exe, dims, rdzv, target = cmd[:1], cmd[1:4], cmd[4:target_at], cmd[target_at:]
     lines = [
         "#!/bin/bash",
         (

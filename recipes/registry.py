@@ -24,6 +24,7 @@ from pathlib import Path
 import tomllib
 
 from core.config import JobConfig, Mode, apply_dict
+from core.errors import ConfigError
 from core.overrides import parse_override
 from core.validate import validate
 from recipes.paths import project_root
@@ -189,6 +190,11 @@ def _resolve_paths(cfg: JobConfig) -> None:
             setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
 
 
+# Keys the command line sets for a row, with what sets them: a `--set` of one would run one
+# thing and file a record saying another (a proxy labelled dry-run, another row's id).
+CLI_OWNED_KEYS = {"job.mode": "--mode", "job.recipe": "the recipe id", "job.output_dir": "--out"}
+
+
 def resolve_config(
     recipe: Recipe, mode: Mode, overrides: list[str] | tuple[str, ...] = (), check_files: bool = False
 ) -> JobConfig:
@@ -196,6 +202,9 @@ def resolve_config(
     cfg = recipe.job_config(mode)
     for text in overrides:
         section, key, value = parse_override(text)
+        owner = CLI_OWNED_KEYS.get(f"{section}.{key}")
+        if owner:
+            raise ConfigError(f"{section}.{key} is not a --set key: the command line sets it (use {owner})")
         apply_dict(cfg, {section: {key: value}}, "--set")
     _resolve_paths(cfg)
     cfg = validate(cfg, check_files=check_files)

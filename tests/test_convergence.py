@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -186,3 +187,110 @@ def test_prefix_matches_golden(rid, tmp_path):
         f"{rid}: first {k} losses drift {diff:.2e} > {tol:g} from the golden curve\n"
         f"ours   {rec['losses']}\ngolden {gold}"
     )
+
+
+# ------------------------------------------------------------------ the command: folders, resume
+ROW_1D = "llama3_8b/loss_convergence/1d_fsdp8"
+FNAME_1D = ROW_1D.replace("/", "__")
+
+
+@pytest.fixture
+def fake_trainer(monkeypatch):
+    """launcher.run_logged as a trainer that writes the record of the job it is given; `then`
+    (a callable of the run folder) runs first and may fail the launch (return an exit code)."""
+    from recipes import launcher
+
+    shipped = json.loads((conv.paths.results_root() / "records" / "proxy" / f"{FNAME_1D}.json").read_text())
+    calls = {"then": None, "n": 0}
+
+    def run_logged(cmd, env, log, echo=False, **kw):
+        job = json.loads(Path(cmd[cmd.index("--config") + 1]).read_text())
+        run_dir, steps = Path(job["job"]["output_dir"]), job["training"]["steps"]
+        calls["n"] += 1
+        rc = calls["then"](run_dir) if calls["then"] else None
+        if rc:
+            return rc
+        losses = [9.0 - 0.01 * s for s in range(steps)]
+        rec = {**shipped, "config": job, "steps": steps, "losses": losses, "start_step": 0}
+        (run_dir / "result.json").write_text(json.dumps(rec))
+        return 0
+
+    monkeypatch.setattr(launcher, "run_logged", run_logged)
+    return calls
+
+
+def _convergence(*args):
+    from click.testing import CliRunner
+
+    return CliRunner().invoke(conv.convergence, ["--steps", "10", "--only", "1d_fsdp8", *args])
+
+
+def test_out_is_the_root_of_the_run_folders_and_only_its_own_files_are_written(tmp_path, fake_trainer):
+    out = tmp_path / "out"
+    res = _convergence("--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert (out / "runs" / FNAME_1D / "job.json").is_file() and (
+        out / "records" / "proxy" / f"{FNAME_1D}.json"
+    ).is_file()
+    written = {p.name for p in out.iterdir()}
+    assert written <= {
+        "runs",
+        "records",
+        "loss_convergence.md",
+        "loss_convergence.csv",
+        "loss_convergence_table.csv",
+        "loss_convergence.png",
+    }, written
+    assert "loss_convergence.md" in written and not list(out.glob("table*"))
+
+
+@pytest.mark.faults
+def test_an_interrupted_run_resumes_and_another_run_is_refused(tmp_path, fake_trainer):
+    from tests.fault_utils import digest
+
+    out = tmp_path / "out"
+    run_dir = out / "runs" / FNAME_1D
+
+    def dies(run_dir):  # a checkpoint written, then the trainer dies: every attempt
+        (run_dir / "checkpoint").mkdir(exist_ok=True)
+        (run_dir / "checkpoint" / "kept").write_text("written by the first run\n")
+        return 1
+
+    fake_trainer["then"] = dies
+    assert _convergence("--out", str(out)).exit_code == 1
+
+    def resumes(run_dir):
+        assert (run_dir / "checkpoint" / "kept").is_file(), "the interrupted run's folder was emptied"
+
+    fake_trainer["then"] = resumes
+    res = _convergence("--out", str(out))
+    assert res.exit_code == 0, res.output
+    n = fake_trainer["n"]
+    assert _convergence("--out", str(out)).exit_code == 0 and fake_trainer["n"] == n  # finished: reused
+    before = digest(run_dir)
+    res = _convergence("--out", str(out), "--steps", "20")  # another run in the same folder
+    assert res.exit_code == 2, res.output
+    assert "training.steps 10 there, 20 here" in res.output and len(res.output.strip().splitlines()) == 1
+    assert digest(run_dir) == before and fake_trainer["n"] == n
+
+
+@pytest.mark.faults
+def test_sigterm_stops_convergence_and_says_how_to_resume(tmp_path, fake_trainer):
+    import os
+    import signal
+
+    class NotHeard(BaseException):
+        pass
+
+    def unheard(signum, frame):
+        raise NotHeard("SIGTERM reached the default handler: the command does not handle it")
+
+    fake_trainer["then"] = lambda run_dir: os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, unheard)
+    try:
+        res = _convergence("--out", str(tmp_path / "out"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert res.exit_code == 128 + signal.SIGTERM, res.output
+    assert "stopped by SIGTERM" in res.output and "resume" in res.output
+    assert not (tmp_path / "out" / "runs" / FNAME_1D / ".run.lock").exists()

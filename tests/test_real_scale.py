@@ -96,7 +96,9 @@ def test_the_job_takes_the_run_folder_lock(tmp_path):
 
 
 # ----------------------------------------------------------------------------- MFU, cuBLAS
-@pytest.mark.parametrize("gpu", ["NVIDIA H800", "NVIDIA H20", "NVIDIA L40S", "NVIDIA GeForce RTX 4090"])
+@pytest.mark.parametrize(
+    "gpu", ["NVIDIA H800", "NVIDIA H20", "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "NVIDIA H200 NVL", "NVIDIA GB200"]
+)
 def test_no_mfu_against_an_unknown_peak(gpu, monkeypatch):
     assert metrics.cuda_peak_flops(gpu) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -104,6 +106,31 @@ def test_no_mfu_against_an_unknown_peak(gpu, monkeypatch):
     info = metrics.device_info()
     assert info["peak_flops"] is None and "metrics.peak_flops" in info["peak_source"]
     assert metrics.cuda_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+
+
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),  # not the SXM part: no peak of its own here
+        ("NVIDIA B200", "B200 SXM"),
+        ("NVIDIA GB200", "GB200 SXM"),  # not a B200
+        ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
+        ("NVIDIA A100 80GB PCIe", "A100 PCIe"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),  # a slice: not the whole part's peak
+    ],
+)
+def test_a_gpu_is_matched_by_its_whole_name(name, model):
+    from recipes.gpu_spec.device import Device, base_spec
+
+    assert metrics.gpu_model(name) == model
+    assert metrics.cuda_peak_flops(name) == metrics.PEAK_FLOPS.get(model or "")
+    shipped = {"H100 SXM": "h100_sxm_80gb", "H200 SXM": "h200_141gb", "B200 SXM": "b200"}
+    assert base_spec(Device("cuda", name, torch.__version__, "", 1, (9, 0), 79.2)) == shipped.get(model or "")
 
 
 def test_mfu_is_empty_without_a_peak():

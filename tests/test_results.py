@@ -365,9 +365,9 @@ def test_figure_per_table_with_predictions(made):
 def test_stale_figure_goes_when_its_predictions_go(made, tmp_path):
     out, _ = made
     assert (out / "table1.png").exists()
-    empty = tmp_path / "no_records"
-    empty.mkdir()
-    results.write_results(empty, out)
+    no_predictions = tmp_path / "no_predictions"  # one proxy record, no dry-run record
+    _write(no_predictions, "proxy", _rec(T1_BASE, 1000.0))
+    results.write_results(no_predictions, out)
     assert not (out / "table1.png").exists()
     assert "table1.png" not in (out / "table1.md").read_text()
 

@@ -411,3 +411,23 @@ def test_float8_needs_sm89_on_cuda(monkeypatch):
 def test_float8_on_cuda(pg, tmp_path):
     rec = train(tmp_path, *BF16, "float8.enabled=true", steps=3)
     assert "float8" in rec["toggles_applied"]
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_rowwise_float8_under_compile_emulates_precision_casts(pg, recipe):
+    """torchtitan turns inductor's emulate_precision_casts on for rowwise Float8 (NaNs with compile
+    and recompute otherwise: pytorch/pytorch#150859); the record says so among the toggles."""
+    import torch._inductor.config as inductor_config
+
+    from core.parallel.mesh import ParallelDims
+    from core.parallel.parallelize import parallelize
+
+    cfg = cfg_of("float8.enabled=true", f"float8.recipe='{recipe}'", "float8.emulate=true", "compile.enabled=true")
+    dims = ParallelDims(1, 1, 1, 1, 1, 1)
+    toggles = Toggles()
+    with inductor_config.patch(emulate_precision_casts=False):  # process-wide: restored after
+        parallelize(tiny_model(), dims.build_mesh("cpu"), dims, cfg, toggles)
+        casts = inductor_config.emulate_precision_casts
+    rowwise = recipe == "rowwise"
+    assert casts is rowwise
+    assert ("compile:emulate_precision_casts" in toggles.applied) is rowwise, toggles.applied

@@ -208,6 +208,9 @@ def read_info(path: Path) -> dict:
     if not f.is_file():
         return {}
     try:
-        return json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        info = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         raise CheckpointError(f"{f}: corrupted checkpoint info ({e})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("model_shape", {}), dict):
+        raise CheckpointError(f"{f}: corrupted checkpoint info (not the JSON object a checkpoint writes)")
+    return info

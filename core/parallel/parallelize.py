@@ -16,7 +16,7 @@ from core.parallel.tensor import apply_tp
 from core.toggles.activation_checkpoint import apply_ac
 from core.toggles.async_tp import apply_async_tp
 from core.toggles.compile import apply_compile
-from core.toggles.float8 import apply_float8  # torchao itself is imported only when this runs
+from core.toggles.float8 import apply_float8, wants_precision_casts  # torchao itself is imported only when this runs
 
 
 @dataclass
@@ -47,7 +47,8 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
             model, cfg.activation_checkpoint, toggles, save_every_other_mm=cfg.activation_checkpoint.save_every_other_mm
         )
     if cfg.compile.enabled:
-        apply_compile(model, cfg.compile, toggles, mesh.root.device_type, group_roles(mesh))
+        casts = wants_precision_casts(cfg)  # rowwise Float8 (pytorch#150859)
+        apply_compile(model, cfg.compile, toggles, mesh.root.device_type, group_roles(mesh), precision_casts=casts)
     if dims.fsdp_enabled:
         t, p = cfg.training, cfg.parallelism
         apply_fsdp(

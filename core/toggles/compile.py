@@ -116,13 +116,20 @@ def compile_block(block: nn.Module, cfg: Compile) -> nn.Module:
 
 
 def apply_compile(
-    model: nn.Module, cfg: Compile, toggles, device_type: str, group_roles: dict[str, str] | None = None
+    model: nn.Module,
+    cfg: Compile,
+    toggles,
+    device_type: str,
+    group_roles: dict[str, str] | None = None,
+    precision_casts: bool = False,
 ) -> nn.Module:
     """Replace each block of model.layers by its compiled version, in place. Returns model.
 
     `device_type` (the mesh's) resolves `cfg.shared_cache`; `group_roles` (mesh dim -> this
     rank's group name) lets ranks of different TP/CP groups share one compiled graph
-    (compile_cache.name_groups).
+    (compile_cache.name_groups). Inductor's `emulate_precision_casts` is on when
+    `cfg.emulate_precision_casts` or `precision_casts` (rowwise Float8: core/toggles/float8.py
+    wants_precision_casts) asks for it, and recorded as compile:emulate_precision_casts.
 
     FQNs gain `_orig_mod.`; torch.distributed.checkpoint's state_dict helpers strip it, so a
     checkpoint saved compiled loads uncompiled and back.
@@ -136,11 +143,13 @@ def apply_compile(
     compile_cache.use(compile_cache.wanted(cfg.shared_cache, device_type))
     probe_cpu_isas_in_background()
     compile_cache.name_groups(group_roles or {})
-    if cfg.emulate_precision_casts:
+    if cfg.emulate_precision_casts or precision_casts:
         import torch._inductor.config as inductor_config  # ~1 s import: compile runs only; no public switch
 
         inductor_config.emulate_precision_casts = True
     for name, block in blocks:
         layers.register_module(name, compile_block(block, cfg))
     toggles.apply("compile")
+    if cfg.emulate_precision_casts or precision_casts:
+        toggles.apply("compile:emulate_precision_casts")
     return model

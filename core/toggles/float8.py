@@ -63,6 +63,14 @@ def float8_config(cfg: JobConfig):
     return base
 
 
+def wants_precision_casts(cfg: JobConfig) -> bool:
+    """Rowwise Float8 under compile needs inductor's `emulate_precision_casts` (fused bf16 values
+    rounded as eager rounds them): without it compile with recompute gives NaNs
+    (pytorch/pytorch#150859). torchtitan turns it on for the rowwise recipe; so do we
+    (core/toggles/compile.py, recorded as compile:emulate_precision_casts)."""
+    return cfg.float8.enabled and cfg.float8.recipe == "rowwise" and cfg.compile.enabled
+
+
 def module_filter(cfg: JobConfig) -> Callable[[nn.Module, str], bool]:
     """Convert an nn.Linear unless its FQN matches filter_fqns or a dim (or its TP shard) is not
     a multiple of 16."""

@@ -16,7 +16,7 @@ import click
 
 from core.dryrun.gpuspec import GEMM_KINDS
 from recipes import paths
-from recipes.options import out_file_option
+from recipes.options import check_writable, out_file_option, refuse
 
 EXIT_CANNOT = 3
 
@@ -56,6 +56,22 @@ def measure_spec(
     return text, spec, m
 
 
+def check_places(out: str | None, base: str | None, name: str | None) -> None:
+    """What the spec is written to and read from, checked before minutes of measuring: --name a
+    plain file name (it names runs/gpu_spec/<name>.toml), --base a spec that loads, --out's
+    folder writable. One line and exit 2 otherwise."""
+    from core.dryrun.gpuspec import SpecError, load_spec
+
+    if name is not None and (not name or Path(name).name != name or name in (".", "..") or "\\" in name):
+        refuse(f"error: --name {name!r}: a spec name is a plain file name (no folders: it names <name>.toml)")
+    if base is not None:
+        try:
+            load_spec(base)
+        except SpecError as e:
+            refuse(f"error: --base: {e}")
+    check_writable("--out", Path(out).parent if out else paths.default_runs_dir() / "gpu_spec")
+
+
 @click.command("gpu-spec")
 @click.option("--measure", is_flag=True, required=True, help="Run the microbenchmarks on the device present.")
 @out_file_option("Spec file to write (default: runs/gpu_spec/<name>.toml).")
@@ -81,6 +97,7 @@ def gpu_spec(measure, out, device, kinds, base, name, threads, quick):
 
     if threads is not None and threads < 1:
         raise click.BadParameter(f"{threads}: at least 1 thread", param_hint="--threads")
+    check_places(out, base, name)
     t0 = time.perf_counter()
     try:
         text, spec, m = measure_spec(device, quick, tuple(kinds) or None, base, name, threads, click.echo)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from core.dryrun.gpuspec import GEMM_KINDS, known_gpus
+from core.metrics import gpu_model
 
 
 class CannotMeasure(RuntimeError):
@@ -146,13 +147,9 @@ def base_spec(dev: Device) -> str | None:
     measure: the network), matched by the name CUDA reports; None for a CPU or another GPU."""
     if dev.kind != "cuda":
         return None
-    name = dev.name.upper()
-    if "H100" in name and "PCIE" not in name and "NVL" not in name:
+    model = gpu_model(dev.name)  # core/metrics.py: the whole name, not a part of it ("GB200" is no B200)
+    if model == "H100 SXM":
         match = "h100_96gb_hbm2e_500w" if dev.memory_gib > 85 else "h100_sxm_80gb"
-    elif "H200" in name:
-        match = "h200_141gb"
-    elif "B200" in name:
-        match = "b200"
     else:
-        return None
+        match = {"H200 SXM": "h200_141gb", "B200 SXM": "b200"}.get(model or "", "")
     return match if match in known_gpus() else None

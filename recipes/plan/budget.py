@@ -277,9 +277,10 @@ def budget_command(
     t0 = time.perf_counter()
     a = search(setup, tokens, days, best_at)
     took = time.perf_counter() - t0
-    if as_json:
+    done = a.found is not None and a.found.best is not None and a.found.days is not None
+    if as_json:  # the exit code of the text answer
         click.echo(json.dumps(answer_json(setup, a, took), indent=2))
-        sys.exit(0 if a.found else 1)
+        sys.exit(0 if done else 1)
     band, frac = _band(setup.spec.name)
     click.echo(
         f"Llama 3.1 {setup.model}, {tokens:.4g} tokens in at most {days:g} days on {setup.spec.name} "
@@ -293,7 +294,7 @@ def budget_command(
             else "no layout fits and follows the guidance"
         )
         click.echo(f"  {r.gpus:>6,} GPUs: {what}")
-    if a.found is None or a.found.best is None or a.found.days is None:
+    if not done:
         click.echo(f"nothing finishes in {days:g} days up to {MAX_GPUS:,} GPUs: {a.why_not}")
         sys.exit(1)
     c, n, d = a.found.best, a.found.gpus, a.found.days

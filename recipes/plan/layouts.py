@@ -25,6 +25,7 @@ CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroo
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import click
@@ -278,6 +279,7 @@ def plan(
         raise click.BadParameter(str(e), param_hint="--gpu") from None
     gpu_mem, memory = gpu_memory(gpu_mem, gpu, spec)
     _check_plan_inputs(model, gpus, seq, gpu_mem, local_batch, global_batch)
+    _check_plan_options(model, gpus, tokens, days, as_json, global_batch, gpus_per_node, top)
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
     setup = Setup(model, seq, gpu_mem, local_batch, global_batch, gpus_per_node, not no_compile, float8, spec)
@@ -373,8 +375,33 @@ def _check_plan_inputs(model: str, gpus: int | None, seq: int, gpu_mem: float, l
         raise click.BadParameter(
             f"{seq:,} tokens is beyond Llama 3.1 {model}'s context length of {context:,}", param_hint="--seq"
         )
-    if gpu_mem <= 0:
-        raise click.BadParameter(f"{gpu_mem:g}: GiB per GPU must be above 0", param_hint="--gpu-mem")
+    if not math.isfinite(gpu_mem) or gpu_mem <= 0:  # nan compares False with everything
+        raise click.BadParameter(f"{gpu_mem:g}: GiB per GPU must be above 0 and finite", param_hint="--gpu-mem")
     for name, b in (("--local-batch", local_batch), ("--global-batch", global_batch)):
         if b is not None and b < 1:
             raise click.BadParameter(f"{b}: at least 1 sequence", param_hint=name)
+
+
+def _check_plan_options(model: str, gpus, tokens, days, as_json: bool, global_batch, gpus_per_node: int, top: int):
+    """Options that would be ignored, or leave no layout to rank (click.BadParameter, exit 2)."""
+    from core.models.llama3 import FLAVORS
+
+    if gpus_per_node < 1:
+        raise click.BadParameter(f"{gpus_per_node}: at least 1 GPU per node", param_hint="--gpus-per-node")
+    if top < 1:
+        raise click.BadParameter(f"{top}: at least 1 candidate", param_hint="--top")
+    if gpus is not None and days is not None:  # the count is given: there is nothing to search
+        raise click.BadParameter(
+            "--days is the deadline of the GPU count's search: give --gpus, or --tokens and --days", param_hint="--days"
+        )
+    if gpus is not None and tokens is not None and as_json:
+        raise click.BadParameter("with --gpus, --tokens only adds the days to the text answer", param_hint="--tokens")
+    if gpus is None or not global_batch:
+        return
+    layouts = _layouts(gpus, gpus_per_node, FLAVORS[model].n_layers)
+    if not any(_local_batch(dp, pp, None, global_batch) for dp, _, pp, _ in layouts):
+        raise click.BadParameter(
+            f"{global_batch} sequences split over the data-parallel ranks of no layout of {gpus} GPUs (their "
+            "count must divide it, and each rank's share must divide by its pipeline stages)",
+            param_hint="--global-batch",
+        )

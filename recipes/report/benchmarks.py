@@ -29,7 +29,7 @@ from tabulate import tabulate
 from core.fileio import atomic_write
 from recipes import options, registry
 from recipes.paths import project_root, results_root
-from recipes.report.table_data import load_records
+from recipes.report.table_data import NoRecordsError, load_records
 
 NOT_RECORDED = "not recorded"
 NOT_COMMITTED = "not committed"
@@ -104,7 +104,10 @@ def _fmt(value, digits: int) -> str:
 # ----------------------------------------------------------------------------------- sections
 def table1_records(records_dir: Path) -> list[dict]:
     """The proxy records of Table 1's rows, in the registry's row order."""
-    recs = load_records(records_dir)
+    try:
+        recs = load_records(records_dir)
+    except NoRecordsError:
+        return []
     ids = [r.id for r in registry.all_recipes() if r.table == "table1"]
     return [recs[(rid, "proxy")] for rid in ids if (rid, "proxy") in recs]
 

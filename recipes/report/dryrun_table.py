@@ -16,11 +16,12 @@ from core import run_folder
 from core.config import JobConfig, apply_dict
 from core.dryrun import calibrate as calibrate_mod
 from core.dryrun.accuracy import text as band_text
+from core.dryrun.gpuspec import SpecError, load_spec
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 from core.dryrun.record import predicted_record
 from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, paths, registry
-from recipes.options import out_dir_option
+from recipes.options import check_writable, out_dir_option, refuse
 from recipes.report.table_data import comparisons
 from recipes.schema import TABLES
 
@@ -374,6 +375,12 @@ def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, valida
     """results/dry_run.csv and .md from the dry-run records (--all first runs every row's dry-run)."""
     records_dir = Path(records_dir) if records_dir else paths.default_records_dir()
     out_dir = Path(out_dir) if out_dir else paths.results_root()
+    if gpu is not None:  # before any dry-run: a misspelt spec is one line, not a traceback minutes in
+        try:
+            load_spec(gpu)
+        except SpecError as e:
+            refuse(f"error: --gpu: {e}")
+    check_writable("--out", out_dir)
     if calibrate:
         _calibrate()
         return

@@ -29,7 +29,7 @@ from core.fileio import atomic_path, atomic_write
 from recipes import registry
 from recipes.paths import relative
 from recipes.report import figures, loss_curves
-from recipes.report.table_data import load_records, markdown_table, predicted_part, table_frame
+from recipes.report.table_data import NoRecordsError, load_records, markdown_table, predicted_part, table_frame
 from recipes.schema import TABLES, Recipe
 
 
@@ -207,9 +207,12 @@ def prose() -> dict:
 def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records: bool = False) -> list[Path]:
     """Write every table (.md + .csv) and README.md into out_dir. Returns the files written.
     A bad record raises RecordError before anything is written; with `skip_bad_records` it is
-    left out, and the tables and README say which and why."""
+    left out, and the tables and README say which and why. A folder with no usable record raises
+    NoRecordsError, also before anything is written: its tables would be blank."""
     skipped: list[str] | None = [] if skip_bad_records else None
     records = load_records(records_dir, skipped)
+    if not records:
+        raise NoRecordsError(f"{records_dir}: no usable record ({len(skipped or [])} skipped as bad)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = registry.table_info()
@@ -222,6 +225,16 @@ def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records
     atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written), skipped or []))
     written.append(out / "README.md")
     return written
+
+
+def write_table(records_dir: str | Path, out_dir: str | Path, table: str) -> list[Path]:
+    """One table's files into out_dir (its .md, CSV and figure; the loss-convergence curves),
+    nothing else: a study that makes one table leaves the other tables and README.md as they are.
+    RecordError / NoRecordsError as write_results, before anything is written."""
+    records = load_records(records_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _write_table(table, registry.table_info().get(table, {}), records, out, [])[1]
 
 
 def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list[str]) -> tuple[tuple, list[Path]]:

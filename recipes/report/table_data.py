@@ -44,8 +44,42 @@ RECORD_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+# The fields today's records of each mode hold and the tables read: a record without one is of
+# another schema version, whose cells would go blank (a tuple: any one of these names).
+REQUIRED_FIELDS: dict[str, tuple[str | tuple[str, ...], ...]] = {
+    "proxy": (
+        "recipe",
+        "mode",
+        "world_size",
+        "steps",
+        "losses",
+        "tokens_per_sec_per_device",
+        "mfu",
+        "peak_memory_gib",
+        "toggles_applied",
+        "hardware",
+    ),
+    "dry-run": ("recipe", "mode", ("estimated_peak_gib", "estimated_peak_memory_gib", "peak_memory_gib")),
+}
+REQUIRED_FIELDS["real"] = REQUIRED_FIELDS["proxy"]
+
+
 class RecordError(ValueError):
     """A record the tables cannot use: the message names the file and the field."""
+
+
+class NoRecordsError(ValueError):
+    """A records folder that is missing or holds no record: tables made from it would be blank."""
+
+
+def missing_fields(rec: dict, mode: str) -> list[str]:
+    """The fields of REQUIRED_FIELDS[mode] the record lacks (`a or b` where any one would do)."""
+    out = []
+    for need in REQUIRED_FIELDS[mode]:
+        names = need if isinstance(need, tuple) else (need,)
+        if not any(n in rec for n in names):
+            out.append(" or ".join(names))
+    return out
 
 
 def check_record(path: Path) -> dict:
@@ -67,17 +101,32 @@ def check_record(path: Path) -> dict:
             raise RecordError(f"{path}: field {field!r} is {type(value).__name__} {value!r:.40}, expected {want}")
     if any(not isinstance(x, NUMBER) or isinstance(x, bool) for x in rec.get("losses") or []):
         raise RecordError(f"{path}: field 'losses' holds a value that is not a number")
+    mode = path.parent.name  # records are filed as <mode>/<id__>.json
+    if mode not in REQUIRED_FIELDS:
+        raise RecordError(f"{path}: in a folder named {mode!r}, not a mode ({', '.join(REQUIRED_FIELDS)})")
+    if "mode" in rec and rec["mode"] != mode:
+        raise RecordError(f"{path}: a record of mode {rec['mode']!r} filed under {mode}/")
+    missing = missing_fields(rec, mode)
+    if missing:
+        raise RecordError(
+            f"{path}: a record of another schema version: no {', '.join(repr(m) for m in missing)} "
+            f"(run the row again to record it)"
+        )
     return rec
 
 
 def load_records(records_dir: str | Path, skipped: list[str] | None = None) -> dict[tuple[str, str], dict]:
     """{(recipe id, mode): record} from <records_dir>/<mode>/*.json. A bad record raises
-    RecordError; given a `skipped` list, it is left out and its reason appended there instead."""
+    RecordError; given a `skipped` list, it is left out and its reason appended there instead.
+    NoRecordsError when the folder is missing or holds no record file."""
     out: dict[tuple[str, str], dict] = {}
     root = Path(records_dir)
     if not root.is_dir():
-        return out
-    for path in sorted(root.glob("*/*.json")):
+        raise NoRecordsError(f"{root}: {'not a folder' if root.exists() else 'no such folder'}")
+    files = sorted(root.glob("*/*.json"))
+    if not files:
+        raise NoRecordsError(f"{root}: no record in it (<mode>/<id__>.json)")
+    for path in files:
         try:
             rec = check_record(path)
         except RecordError as e:
@@ -85,10 +134,8 @@ def load_records(records_dir: str | Path, skipped: list[str] | None = None) -> d
                 raise
             skipped.append(str(e))
             continue
-        mode = rec.get("mode") or path.parent.name
-        rid = rec.get("recipe") or path.stem.replace("__", "/")
         rec["_path"] = str(path)
-        out[(rid, mode)] = rec
+        out[(rec["recipe"], rec["mode"])] = rec
     return out
 
 

@@ -5,19 +5,23 @@ compile, Float8, AsyncTP, Interleaved 1F1B; the 3D run + CP; FSDP+CP) and shows 
 curves overlap. Here each row's proxy (see llama3_8b/loss_convergence/defaults.toml: tiny4,
 seq 128, FSDP 2 x local batch 4 in every layout, BF16 params + FP32 reduce, 500 steps, warmup
 100) runs through the normal launcher (torchrun -> core.train; the record is copied to
-results/records/proxy/). Then `run-recipe results` makes the curves, the plot and the check
-from the records (recipes/report/loss_curves.py), and, for full-length runs of every row, this writes
+results/records/proxy/). Then the loss-convergence table, curves, plot and check are made from
+the records (recipes/report/loss_curves.py; no other table is touched), and, for full-length runs
+of every row, this writes
 
     results/golden/loss_convergence.json   per-step losses + versions
 
-whose first PREFIX_STEPS steps tests/test_convergence.py re-runs on every CI run.
+whose first PREFIX_STEPS steps tests/test_convergence.py re-runs on every CI run. `--out DIR` is
+the root of everything it writes: the run folders (DIR/runs/<id__>), the records (DIR/records,
+unless --records-dir) and the outputs. A row's folder that holds this same run (an interrupted
+one) resumes from its latest checkpoint; one of another run is refused before anything runs.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import shutil
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -25,8 +29,11 @@ from pathlib import Path
 import click
 
 from core import run_folder
+from core.config import ConfigError, JobConfig, flatten_keys, load_config
 from core.fileio import atomic_write_json
 from recipes import launcher, modes, options, paths, registry
+from recipes.options import check_writable, refuse
+from recipes.output import Stopped, stop_on_signals
 from recipes.report import results, table_data
 from recipes.report.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
@@ -95,6 +102,27 @@ def _stitch(run_dir: Path, record: dict, attempts: int) -> dict:
     return record
 
 
+def row_config(recipe: Recipe, overrides: list[str], resumable: bool = False) -> JobConfig:
+    """The row's proxy config with the run's overrides (and the resume's, `resumable`)."""
+    extra = RESUME_OVERRIDES if resumable else []
+    return registry.resolve_config(recipe, "proxy", [*overrides, *extra], check_files=True)
+
+
+def other_run_in(run_dir: Path, cfg: JobConfig) -> str | None:
+    """What makes the run already in `run_dir` another run than `cfg`'s (the keys whose values
+    differ), or None when the folder is empty, new, or holds this very run (which then resumes)."""
+    job = Path(run_dir) / "job.json"
+    if not job.is_file():
+        return "no job.json: not a run of this command" if Path(run_dir).is_dir() and any(run_dir.iterdir()) else None
+    try:
+        theirs = flatten_keys(load_config(str(job)).to_dict())
+    except ConfigError as e:
+        return str(e)
+    ours = flatten_keys(cfg.to_dict())
+    keys = [k for k in ours if k != "job.output_dir" and theirs.get(k) != ours[k]]
+    return ", ".join(f"{k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys[:3]) or None
+
+
 def run_row(
     recipe: Recipe,
     overrides: list[str],
@@ -104,18 +132,41 @@ def run_row(
     resumable: bool = False,
 ) -> tuple[dict, float]:
     """One proxy run of a row through the launcher (as `run-recipe run ID --mode proxy`).
-    resumable: checkpoint and relaunch after a failure (see RESUME_INTERVAL); run_dir is then
-    emptied first. Returns (record, wall seconds of all attempts). Raises RuntimeError with the
-    log's tail on failure."""
-    overrides = list(overrides) + (RESUME_OVERRIDES if resumable else [])
-    cfg = registry.resolve_config(recipe, "proxy", overrides, check_files=True)
-    if resumable and run_dir is not None and Path(run_dir).exists():
-        shutil.rmtree(run_dir)  # a fresh run: never resume an older run's checkpoint
+    resumable: checkpoint and relaunch after a failure (see RESUME_INTERVAL); a run_dir that
+    holds this very run resumes from its latest checkpoint (a finished one is reused as it is),
+    one of another run is refused (ConfigError). Returns (record, wall seconds of all attempts).
+    Raises RuntimeError with the log's tail on failure."""
+    cfg = row_config(recipe, overrides, resumable)
+    if resumable and run_dir is not None and (other := other_run_in(Path(run_dir), cfg)):
+        raise ConfigError(f"{run_dir}: holds another run ({other}): give another --out, or move it away")
     run_dir = run_folder.make(recipe.fname, run_dir, False, paths.default_runs_dir())
+    with run_folder.lock(run_dir):  # owned while it runs, as `run-recipe run` owns its folder
+        finished = _finished(run_dir, cfg) if resumable else None
+        if finished is not None:
+            run_folder.copy_record(run_dir / "result.json", records_dir, "proxy", recipe.fname)
+            return finished, 0.0
+        run_folder.check_resume(cfg, run_dir)
+        return _attempts(recipe, cfg, run_dir, records_dir, echo, resumable)
+
+
+def _finished(run_dir: Path, cfg: JobConfig) -> dict | None:
+    """The record of this run when it already ran every step (its folder resumed after the end)."""
+    try:
+        record = json.loads((run_dir / "result.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if record.get("steps") == cfg.training.steps and not record.get("start_step") else None
+
+
+def _attempts(
+    recipe: Recipe, cfg: JobConfig, run_dir: Path, records_dir: Path | None, echo: bool, resumable: bool
+) -> tuple[dict, float]:
+    """The launches of one row's run, relaunched (resumable) after a failure; its record."""
+    (run_dir / "result.json").unlink(missing_ok=True)  # only this run's record counts
     job = run_folder.write_job(cfg, run_dir)
     world = cfg.parallelism.world_size
     cmd = modes.PROXY.command(world, [job])
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     env = modes.PROXY.env(world)
     result = run_dir / "result.json"
     t0 = time.perf_counter()
@@ -172,6 +223,30 @@ def golden_path(results_dir: Path | None = None) -> Path:
     return (results_dir or paths.results_root()) / "golden" / "loss_convergence.json"
 
 
+def run_rows(chosen: list[Recipe], overrides: list[str], runs_root: Path, records_root: Path) -> None:
+    """Each row's resumable run in runs_root/<id__>, every folder checked before the first runs;
+    SIGINT / SIGTERM stop the launch and say how to resume (exit 130 / 143), as `run` does."""
+    for r in chosen:
+        try:
+            other = other_run_in(runs_root / r.fname, row_config(r, overrides, resumable=True))
+        except ConfigError as e:
+            refuse(f"config error: {r.id}: {e}")
+        if other:
+            refuse(f"error: {r.id}: {runs_root / r.fname} holds another run ({other}): use another --out, or move it")
+    try:
+        with stop_on_signals():
+            for r in chosen:
+                _, wall = run_row(r, overrides, runs_root / r.fname, records_root, resumable=True)
+                click.echo(f"[convergence] {r.id}: {wall:.0f} s")
+    except (RuntimeError, ValueError, ConfigError) as e:
+        click.echo(f"FAILED: {e}", err=True)
+        sys.exit(1)
+    except Stopped as e:
+        again = shlex.join(["run-recipe", *sys.argv[1:]]) if sys.argv[1:2] == ["convergence"] else "the same command"
+        click.echo(f"\nstopped by {e}: the rows resume from their checkpoints in {runs_root} with: {again}", err=True)
+        sys.exit(e.exit_code)
+
+
 # ------------------------------------------------------------------------------------ command
 @click.command("convergence")
 @click.option(
@@ -187,17 +262,22 @@ def golden_path(results_dir: Path | None = None) -> Path:
     metavar="ID",
     help="Run only these rows (ids or their last part); the others' records are reused.",
 )
-@options.records_dir_option("Where records go and are read (default: results/records).")
-@options.out_dir_option("Where the outputs go (default: results/).")
+@options.records_dir_option("Where records go and are read (default: results/records, or OUT/records with --out).")
+@options.out_dir_option(
+    "Where the loss-convergence table, curves and golden file go, and the run folders (OUT/runs/<id__>); "
+    "default: results/ (run folders in runs/convergence/)."
+)
 @click.option(
     "--golden/--no-golden",
     default=None,
-    help="Rewrite results/golden/loss_convergence.json (default: only for full-length runs).",
+    help="Rewrite OUT/golden/loss_convergence.json (default: only for full-length runs).",
 )
 def convergence(steps, only, records_dir, out_dir, golden):
     """Run the four loss-convergence rows as proxies, then plot and check them against 1D."""
-    records_root = Path(records_dir) if records_dir else paths.default_records_dir()
     out = Path(out_dir) if out_dir else paths.results_root()
+    records_root = Path(records_dir) if records_dir else (out / "records" if out_dir else paths.default_records_dir())
+    check_writable("--out", out)
+    check_writable("--records-dir", records_root)
     chosen = rows()
     if only:
         wanted = set(only)
@@ -208,26 +288,14 @@ def convergence(steps, only, records_dir, out_dir, golden):
     full = control().job_config("proxy").training.steps
     steps = steps or full
     overrides = [f"training.steps={steps}", f"lr_scheduler.warmup_steps={warmup_for(steps)}"]
-    walls = {}
-    for r in chosen:
-        try:
-            _, walls[r.id] = run_row(
-                r,
-                overrides,
-                run_dir=paths.default_runs_dir() / "convergence" / r.fname,
-                records_dir=records_root,
-                resumable=True,
-            )
-        except (RuntimeError, ValueError) as e:
-            click.echo(f"FAILED: {e}", err=True)
-            sys.exit(1)
-        click.echo(f"[convergence] {r.id}: {walls[r.id]:.0f} s")
+    runs_root = out / "runs" if out_dir else paths.default_runs_dir() / "convergence"
+    run_rows(chosen, overrides, runs_root, records_root)
     records = {
         rid: rec
         for (rid, mode), rec in table_data.load_records(records_root).items()
         if mode == "proxy" and rid in {r.id for r in rows()}
     }
-    for path in results.write_results(records_root, out):
+    for path in results.write_table(records_root, out, "loss_convergence"):  # its own files only
         click.echo(str(path))
     checked = check(records)
     for res in checked:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from core.fileio import atomic_write_json
 from recipes import launcher, modes, paths
-from recipes.options import out_dir_option
+from recipes.options import check_writable, out_dir_option, refuse
 from recipes.studies.parity_layouts import base_job
 from recipes.studies.preflight_one import one_device_options
 
@@ -393,6 +394,15 @@ def preflight(
     --gpus 1: this device measured, a one-device step predicted on its spec and compared."""
     import torch  # local: `run-recipe --help` must not import torch
 
+    if gpus is None:  # the one-device form's options, which the node's check would ignore
+        ctx = click.get_current_context()
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if p.name not in ("out", "gpus", "help") and ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE
+        ]
+        if given:
+            refuse(f"error: {', '.join(given)}: only with --gpus 1 (the one-device form); the node's check takes --out")
     if gpus is not None:
         if gpus != 1:
             raise click.BadParameter(
@@ -401,12 +411,14 @@ def preflight(
         from recipes.studies.preflight_one import one_device
 
         folder = Path(out) if out else paths.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S-gpus1")
+        check_writable("--out", folder)
         sys.exit(one_device(folder.resolve(), rounds, steps, quick, threads, device, layers))
     # the real form needs one node of 8 GPUs (the 3D layout); anything less runs the CPU proxy form
     real = torch.cuda.is_available() and torch.cuda.device_count() >= 8
     if torch.cuda.is_available() and not real:
         click.echo(f"{torch.cuda.device_count()} GPUs here, 8 needed for the real form: running the CPU proxy form")
     folder = Path(out) if out else paths.default_runs_dir() / "preflight" / time.strftime("%Y%m%d-%H%M%S")
+    check_writable("--out", folder)
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
