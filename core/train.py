@@ -55,7 +55,7 @@ from core.noise import quiet_library_warnings
 from core.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, follow_settings
 from core.parallel.mesh import ParallelDims, device_type
 from core.parallel.parallelize import Toggles
-from core.process import die_with_parent, exit_process, process_age_s, record_rank_pid
+from core.process import die_with_parent, exit_process, process_age_s, raise_open_file_limit, record_rank_pid
 from core.result import TrainOutcome, local_state_bytes, pp_record, result_record, write_result
 from core.run_folder import RUN_LOCK_ENV, RunDirBusy
 from core.step import TrainStep, pipeline_loss
@@ -438,6 +438,7 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # an agent (torchrun) that dies takes its ranks with it
     record_rank_pid()  # the agent names this rank if a signal kills it
+    raise_open_file_limit()  # a soft ulimit -n inherited through SLURM: several gloo groups at 512 ranks
     startup_s = {"process_start_and_imports": process_age_s()}
     quiet_library_warnings()
     try:

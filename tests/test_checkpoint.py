@@ -132,17 +132,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(pg, tmp_path):
 
 def test_seed_checkpoint_and_model_only_export(pg, tmp_path):
     run1 = tmp_path / "run1"
-    rec = train(
+    seeded = train(run1, *CKPT, "--training.steps=2", "--checkpoint.create_seed_checkpoint=true")
+    folder = run1 / "checkpoint"
+    assert list(complete_steps(folder)) == [0] and seeded["losses"] == []  # step 0 saved, then it stopped
+    rec = train(  # the run continues from its seed
         run1,
         *CKPT,
         "--training.steps=2",
         "--checkpoint.interval=1",
-        "--checkpoint.create_seed_checkpoint=true",
         "--checkpoint.model_weights_only=true",
         "--checkpoint.export_dtype=bfloat16",
     )
-    folder = run1 / "checkpoint"
-    assert list(complete_steps(folder)) == [0, 1, 2]
+    assert list(complete_steps(folder)) == [0, 1, 2] and rec["start_step"] == 0
     seed, info = load_model_weights(folder / "step-0")
     assert info["kind"] == "seed"
     torch.manual_seed(0)

@@ -126,11 +126,11 @@ def test_missing_metadata_latest_is_refused_then_moved_aside(two_steps, tmp_path
     with pytest.raises(CheckpointError, match=r"step-2/\.metadata: missing.*checkpoint\.load_step=1"):
         train(tmp_path, *CKPT, "--training.steps=3", "--checkpoint.interval=1")
     assert digest(folder) == before
-    # resuming from step 1 as told: the damaged step-2 is moved aside (not overwritten), and the
-    # steps 2..3 equal the uninterrupted run's step 2
+    # resuming from step 1 as told: the damaged step-2 (every step after 1) is moved aside before
+    # the next save (not overwritten), and the steps 2..3 equal the uninterrupted run's step 2
     again = train(tmp_path, *CKPT, "--training.steps=3", "--checkpoint.interval=1", "--checkpoint.load_step=1")
     assert again["start_step"] == 1 and again["losses"][0] == rec["losses"][1]
-    aside = [p for p in folder.iterdir() if p.name.startswith("step-2.damaged")]
+    aside = [p for p in folder.iterdir() if p.name.startswith("step-2.superseded-")]
     assert len(aside) == 1 and {f"step-2/{k}" for k in digest(aside[0])} <= set(before)
     assert list(complete_steps(folder)) == [1, 2, 3]
 

@@ -2,7 +2,7 @@
 
 A few minutes of a small model through every feature the paper's rows need, each launched with
 `recipes.launcher.torchrun_command`, and a plain verdict per feature:
-- single process: the reference run, which also writes the seed checkpoint (one process).
+- single process: the seed checkpoint (the initial weights, step 0), then the reference run from it.
 - meta init: FSDP x TP x PP built on the meta device, each rank initialising its own shards;
   checked by a worker (`--worker init`): no two pipeline stages hold identical blocks, every
   rank of a stage sees the same whole tensors, shards of one tensor are not copies.
@@ -236,6 +236,9 @@ class Preflight:
             return None
         rec = json.loads(result.read_text())
         self.runs[name] = rec
+        if not rec["losses"]:  # a seed checkpoint run: the initial weights saved, nothing trained
+            click.echo(f"  [{name}] {world} ranks, {time.perf_counter() - t0:.0f} s: the initial weights saved")
+            return rec
         first = rec.get("first_step_peak_memory_gib")
         click.echo(
             f"  [{name}] {world} ranks, {time.perf_counter() - t0:.0f} s: step {_mean(rec) * 1e3:.0f} ms "
@@ -273,18 +276,19 @@ def run_preflight(out: Path, real: bool) -> Preflight:
 def _single_process(pf: Preflight) -> tuple[dict | None, Path]:
     """1. One process: the reference losses, and the seed checkpoint every layout loads (compiled:
     one process compiles in seconds where four ranks on a few cores take minutes)."""
+    seed = pf.out / "seed" / "checkpoint" / "step-0"
+    pf.train("seed", 1, [*BASE, "--checkpoint.enabled=true", "--checkpoint.create_seed_checkpoint=true"])
     ref = pf.train(
         "single",
         1,
         [
             *BASE,
             "--checkpoint.enabled=true",
-            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.resume_from={seed}",  # the initial weights every layout loads
             f"--checkpoint.interval={STEPS}",
             "--compile.enabled=true",
         ],
     )
-    seed = pf.out / "single" / "checkpoint" / "step-0"
     if ref is not None:
         pf.verdict(
             "single process + seed checkpoint",
