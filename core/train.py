@@ -290,7 +290,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 batches = [next(data_iter) for _ in range(t.grad_accum_steps)]
                 data_dt = time.perf_counter() - t0
-                lr = self.lr_scheduler.get_last_lr()[0]  # the step's own: the scheduler steps after its update
+                lr = self.optimizer.param_groups[0]["lr"]  # the lr this step applies (the scheduler steps after)
                 result = self.train_step(batches)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()

@@ -4,6 +4,8 @@ silently ignored, path components that escape their folder."""
 
 from __future__ import annotations
 
+import errno
+import gzip
 import json
 import shlex
 
@@ -138,3 +140,29 @@ def test_a_huge_seq_len_is_refused_before_spawn(tmp_path, no_spawn, mode):
     assert "training.seq_len" in res.output and "4,000,000,000" in res.output and "1,048,576" in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "run").exists()
+
+
+def test_what_only_a_rank_would_find_is_refused_before_spawn(tmp_path, no_spawn):
+    """A vocabulary smaller than the tokenizer's and a shard holding an empty gzip stream were
+    found by the ranks after spawn (tracebacks of every rank): now by the launcher, in one line."""
+    res = invoke("run", ROW, "--out", str(tmp_path / "a"), "--set", "model.vocab_size=5")
+    assert res.exit_code == 2 and "model.vocab_size: 5 is below the" in res.output, res.output
+    en = tmp_path / "corpus" / "en"
+    en.mkdir(parents=True)
+    gzip.open(en / "c4-train.00000-of-00001.json.gz", "wb").close()
+    res = invoke("run", ROW, "--out", str(tmp_path / "b"), "--set", f"data.path='{tmp_path / 'corpus'}'")
+    assert res.exit_code == 2 and "holds no document (an empty gzip stream)" in res.output, res.output
+
+
+def test_a_failed_save_is_called_a_full_disk_only_when_it_is_one(tmp_path):
+    """The need was the global weights x world x 3 (always above the free space at 405B), so any
+    failed first save read 'no space left on device', hiding the real cause."""
+    from core.checkpoint.files import save_error
+
+    folder, tmp = tmp_path / "checkpoint", tmp_path / "checkpoint" / "step-1.tmp"
+    folder.mkdir()
+    huge = 1 << 60  # bytes: more than any disk has free
+    denied = save_error(folder, tmp, 1, "save", PermissionError(errno.EACCES, "Permission denied"), huge)
+    assert "Permission denied" in str(denied) and "no space left" not in str(denied)
+    full = save_error(folder, tmp, 1, "save", OSError(errno.ENOSPC, "No space left on device"), huge)
+    assert "no space left on device: a checkpoint needs about" in str(full)

@@ -295,3 +295,30 @@ def test_fsdp2_tp2_pp2_matches_single_process(world8, world2):
     rec = world8["fsdp2_tp2_pp2_Interleaved1F1B"]
     _check_pp_record(rec, "Interleaved1F1B", 2, 4, "tiny4", world2["fsdp2_no_pp"])
     assert {"fsdp", "tp", "loss_parallel"} <= set(rec["toggles_applied"])
+
+
+def test_the_last_stage_keeps_no_microbatch_logits_and_grads_need_no_rescale(monkeypatch):
+    """The step asks the schedule for no outputs (at 405B every microbatch's logits, ~16 GiB, on
+    the fullest rank), and a schedule is built without scale_grads, which torch 2.13 applies after
+    every step(): under accumulation it divided the earlier microsteps' gradients again."""
+    import contextlib
+    import inspect
+    import types
+
+    from core.parallel import pipeline
+    from core.step import TrainStep
+
+    seen = {}
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None, **kwargs):
+            seen.update(kwargs)
+            losses.append(torch.tensor(1.0))
+
+    stage = types.SimpleNamespace(is_first=True, is_last=True)
+    step = types.SimpleNamespace(pp_schedule=Schedule(), stages=[stage], device=torch.device("cpu"), cfg=None)
+    monkeypatch.setattr("core.step.loss_parallel_context", lambda cfg: contextlib.nullcontext())
+    TrainStep._pipeline_step(step, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    assert seen.get("return_outputs") is False
+    source = inspect.getsource(pipeline.build_pipeline)
+    assert "scale_grads=False" in source and "scale_grads=True" not in source
