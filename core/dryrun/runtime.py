@@ -470,7 +470,7 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
         "capacity_gib": spec.hbm_capacity_gib,
         "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in step.links.items()},
         "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
-        "error_band": accuracy.text(gpu=spec.name),
+        "error_band": accuracy.text(kind=accuracy.kind_of(step.cfg, spec.name)),
     }
 
 
