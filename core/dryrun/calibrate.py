@@ -1,4 +1,4 @@
-"""The performance model's two fitted constants, refitted: `run-recipe dry-run-table --calibrate`
+"""The performance model's three fitted constants, refitted: `run-recipe dry-run-table --calibrate`
 (which hands this module the configurations and measured figures: core never imports the
 recipes). Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited
 measurement; the values are written into the spec files by hand, with a note naming the figure.
@@ -11,7 +11,9 @@ H100 / H200 parts). Neither is published for these systems:
   (llama3_8b/table1/8gpu_fsdp_compile: no exposed communication, and the paper (6,674) and its
   Dec 2024 re-run (6,667) agree);
 - the 700 W Hopper parts (h100_sxm_80gb and h200_141gb share it: the same die at the same power
-  limit), fitted on one public H100 SXM figure (results/perf_validation.md names it).
+  limit), fitted on one public H100 SXM figure (results/perf_validation.md names it);
+- the 400 W A100 SXM (a100_sxm_80gb), fitted on torchtitan's 1,000-step run on one node of 8
+  (pytorch/torchtitan PR 355: no network between nodes, the config pinned, steady readings).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FITS = (
         "llama3_8b/table1/8gpu_fsdp_compile",
     ),
     Fit("clock_fraction", ("h100_sxm_80gb", "h200_141gb"), "aws-p5/8b-32-eager", "llama3_8b/table1/128gpu_fsdp"),
+    Fit("clock_fraction", ("a100_sxm_80gb",), "tt355/8b-8-a100-eager", "llama3_8b/table1/8gpu_fsdp"),
 )
 
 

@@ -112,10 +112,22 @@ def model_gemms(cfg) -> list[GemmShape]:
     return sorted(set(out))
 
 
-def recipe_of(cfg) -> str:
-    """The precision recipe of the block linears; ValueError for one the model has no costs for."""
+class NoFloat8(ValueError):
+    """Float8 on a GPU with no FP8 tensor cores (a spec without compute.peak_fp8_flops)."""
+
+
+def recipe_of(cfg, spec: GPUSpec | None = None) -> str:
+    """The precision recipe of the block linears; ValueError for one the model has no costs for,
+    NoFloat8 for Float8 on a GPU spec without FP8 tensor cores."""
     if not cfg.float8.enabled:
         return "bf16"
+    if spec is not None and not spec.peak_fp8_flops:
+        cc = f" (compute capability {spec.compute_capability})" if spec.compute_capability else ""
+        raise NoFloat8(
+            f"float8.enabled: GPU spec {spec.name}{cc} has no FP8 tensor cores, so there is no float8 matmul "
+            "to run or price: torchao's Float8 training needs compute capability 8.9 or later (Ada, Hopper, "
+            "Blackwell; core/toggles/float8.py)"
+        )
     r = cfg.float8.recipe
     if r not in GEMMS:
         raise ValueError(f"float8.recipe={r!r}: the performance model has no costs for it (known: {RECIPES[1:]})")
@@ -238,7 +250,7 @@ def cast_bytes(s: Shapes, recipe: str, compiled: bool, tp_fp8: bool, fp8_weights
 def block_linear_seconds(spec: GPUSpec, s: Shapes, cfg) -> dict:
     """One block, one microbatch: GEMM seconds forward / backward, cast seconds forward /
     backward, and each linear's (forward, backward) GEMM seconds."""
-    recipe = recipe_of(cfg)
+    recipe = recipe_of(cfg, spec)
     per = {lin.name: gemms(spec, s.tokens, lin, recipe) for lin in block_linears(s)}
     tp_fp8 = s.tp > 1 and recipe == "tensorwise"
     f8 = cfg.float8
