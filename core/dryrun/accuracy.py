@@ -36,11 +36,12 @@ HANDFUL = 5
 
 def kind_of(cfg, gpu: str) -> dict:
     """The kind of run a config is, as the bands group the public figures."""
+    from core.dryrun.linears import fp8_all_gather
+
     f, p, ac = cfg.float8, cfg.parallelism, cfg.activation_checkpoint
     precision = "bf16"
     if f.enabled:
-        fsdp = p.dp_shard * p.cp > 1
-        precision = f"Float8 {f.recipe}" + (" + float8 all-gather" if f.enable_fsdp_float8_all_gather and fsdp else "")
+        precision = f"Float8 {f.recipe}" + (" + float8 all-gather" if fp8_all_gather(cfg) else "")
     acs = {"none": "no AC", "full": "full AC"}
     return {
         "gpu": gpu,

@@ -141,10 +141,13 @@ def _cp_attention_work(s: Shapes, backward: bool) -> float:
     return gathered + (9 if backward else 3) * 4 * s.tokens * s.q
 
 
-def layer_memory(cfg, s: Shapes | None = None) -> dict:
+def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dict:
     """Saved bytes of one block after its forward (per microbatch) and the extra working set
-    while one block runs forward and while it recomputes + runs backward."""
+    while one block runs forward and while it recomputes + runs backward. `extra`: what the
+    Float8 linears add ({"saved": {part: bytes}, "work": bytes}, core/dryrun/linears.py
+    `float8_memory`)."""
     s = s or shapes(cfg)
+    extra = extra or {"saved": {}, "work": 0.0}
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enabled
     noac = _noac_saved(s, compiled)
@@ -166,6 +169,7 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
         k = int(ac.selective_ac_option)
         saved = {"block_input_or_all": ((k - 1) * noac_total + block_input) / k}
         input_saved = ((k - 1) * noac_input + block_input) / k
+    saved = {**saved, **{k: v for k, v in extra["saved"].items() if v}}
     saved_total = sum(saved.values())
     # Working set beyond what is saved (checked against torch's MemTracker in
     # tests/test_estimate.py). Forward, at the FFN: the all-gathered input and the partial output
@@ -203,8 +207,8 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
         "saved_parts": saved,
         "no_ac_saved": noac_total,
         "input_saved": input_saved,
-        "fwd_work": max(ffn_fwd, attn_fwd),
-        "bwd_work": max(ffn_bwd, attn_bwd),
+        "fwd_work": max(ffn_fwd, attn_fwd) + extra["work"],
+        "bwd_work": max(ffn_bwd, attn_bwd) + extra["work"],
     }
 
 

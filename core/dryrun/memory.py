@@ -24,6 +24,8 @@ import functools
 from dataclasses import dataclass
 
 from core.dryrun.activations import Shapes, head_memory, layer_memory, microbatches, shapes
+from core.dryrun.linears import float8_memory, fp8_all_gather
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
 from core.parallel.stages import plan_stages, stage_ids_for_rank, stages_per_rank
 
@@ -115,7 +117,7 @@ def _unsharded_block_bytes(cfg, stage: StageParams) -> float:
     """One block's parameters all-gathered for compute: bf16 (or fp32), float8 linears with
     float8 all-gather."""
     act = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
-    f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+    f8 = fp8_all_gather(cfg)
     return stage.block_linear * (1 if f8 else act) + (stage.block - stage.block_linear) * act
 
 
@@ -261,15 +263,16 @@ def schedule_table(schedule: str, pp: int, n_micro: int, spr: int) -> list[list]
     return pipeline_order(schedule, pp, n_micro, spr)
 
 
-def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
-    """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak."""
+def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB, stack: Stack = THIS_TRAINER) -> dict:
+    """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak;
+    `stack`: the software that ran it, where it differs from this trainer (core/dryrun/stack.py)."""
     from core.parallel.mesh import ParallelDims  # local: keeps `import core.dryrun.memory` torch-free
 
     args = model_args(cfg, None)
     p = cfg.parallelism
     dims = ParallelDims.from_config(p)
     s = shapes(cfg)
-    lm, hm = layer_memory(cfg, s), head_memory(cfg, s)
+    lm, hm = layer_memory(cfg, s, float8_memory(cfg, s, stack)), head_memory(cfg, s)
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     placement = rank_stages(cfg)
     n_stages = sum(len(r) for r in placement)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds, linear_gemm_shapes
+from core.dryrun.linears import block_linear_seconds, fp8_all_gather, linear_gemm_shapes
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.models.args import model_args
 
@@ -295,7 +295,7 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
 
 
 def _fsdp_bytes(cfg, stage: StageParams) -> dict:
-    f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+    f8 = fp8_all_gather(cfg)
     red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
     return {
         "ag_block": stage.block_linear * (1 if f8 else 2) + (stage.block - stage.block_linear) * 2,

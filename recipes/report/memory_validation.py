@@ -57,11 +57,12 @@ def predict_all(figs: list) -> None:
     """Each memory-bearing figure's predicted peak reserved GiB (and where the peak is)."""
     from core.dryrun.gpuspec import load_spec
     from core.dryrun.memory import estimate_memory
+    from core.dryrun.stack import stack_of
 
     for f in figs:
         if f.measured_reserved is None:
             continue
-        est = estimate_memory(f.cfg, gpu_gib=load_spec(f.gpu).hbm_capacity_gib)
+        est = estimate_memory(f.cfg, gpu_gib=load_spec(f.gpu).hbm_capacity_gib, stack=stack_of(f.stack))
         f.predicted_reserved, f.peak_at = est["estimated_peak_gib"], est["peak_at"]
 
 

@@ -11,6 +11,7 @@ from importlib import resources
 import tomllib
 
 from core.dryrun import accuracy
+from core.dryrun.linears import fp8_all_gather
 
 # Issue 35's goals, on the held-out figures: throughput and memory (mean absolute, worst).
 HELD_OUT_GOALS = {"throughput": (9.0, 25.0), "memory": (10.0, 25.0)}
@@ -63,7 +64,7 @@ def layout(cfg) -> str:
         parts.append(f"{p.pp_schedule} {p.pp_microbatches or p.pp} microbatches")
     parts.append("compile" if cfg.compile.enabled else "eager")
     if f.enabled:
-        parts.append(f"Float8 {f.recipe}" + (" + float8 all-gather" if f.enable_fsdp_float8_all_gather else ""))
+        parts.append(f"Float8 {f.recipe}" + (" + float8 all-gather" if fp8_all_gather(cfg) else ""))
     if p.enable_async_tp:
         parts.append("AsyncTP")
     if p.fsdp_reshard_after_forward != "default":
