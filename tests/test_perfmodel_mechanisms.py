@@ -450,3 +450,43 @@ def test_float8_memory_of_eager_casts_and_of_the_abs_a_save_list_kept():
             f"float8.enable_fsdp_float8_all_gather={o[2]}",
         )
         assert fp8_all_gather(c) == fp8_all_gather_active(c), o
+
+
+# ------------------------------------------------------------------------------ FSDP reshard
+def test_reshard_policy_keeps_what_it_does_not_gather_again():
+    """default reshards every block but the last (and the root), always all, never none (PP:
+    default keeps all); a block kept from forward to backward holds its unsharded parameters
+    through the loss (`never` at 8B x 8 adds the 31 other blocks' bf16 weights, and the root
+    when the torch of the run did not keep it anyway) and skips its backward all-gather."""
+    from core.dryrun.memory import GIB, estimate_memory, stage_params
+    from core.dryrun.stack import THIS_TRAINER, Stack
+    from core.models.args import model_args
+    from core.parallel.reshard import reshard_after_forward
+
+    assert reshard_after_forward("default", 4, False) == ([True, True, True, False], True)
+    assert reshard_after_forward("always", 4, False) == ([True] * 4, True)
+    assert reshard_after_forward("never", 4, False) == ([False] * 4, False)
+    assert reshard_after_forward("default", 4, True) == ([False] * 4, False)
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward"):
+        reshard_after_forward("sometimes", 4, False)
+
+    def run(policy, stack=THIS_TRAINER):
+        c = cfg_with(
+            "llama3_8b/table1/8gpu_fsdp",
+            "training.local_batch_size=1",
+            f'parallelism.fsdp_reshard_after_forward="{policy}"',
+        )
+        return estimate_memory(c, stack=stack), predict(c, G.DEFAULT_GPU, memory=NO_MEM, stack=stack)
+
+    c = cfg_with("llama3_8b/table1/8gpu_fsdp")
+    st = stage_params(model_args(c, None), 32, True, True, 1)
+    blk, root = 2 * st.block / GIB, 2 * st.root / GIB
+    (dm, dp), (nm, np_), (am, _) = run("default"), run("never"), run("always")
+    assert nm["peak_at"] == dm["peak_at"] == "loss backward"
+    assert nm["allocated_peak_gib"] - dm["allocated_peak_gib"] == pytest.approx(31 * blk + root, rel=1e-6)
+    assert dm["allocated_peak_gib"] - am["allocated_peak_gib"] == pytest.approx(blk, rel=1e-6)
+    old = Stack(root_kept_gathered=True)
+    assert run("never", old)[0]["allocated_peak_gib"] - run("default", old)[0]["allocated_peak_gib"] == pytest.approx(
+        31 * blk, rel=1e-6
+    )
+    assert np_["step_time_s"] <= dp["step_time_s"]

@@ -59,8 +59,9 @@ def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
     return (lo + hi) / 2
 
 
-def fit(targets: dict[str, tuple[object, float]]) -> dict[str, float]:
-    """targets: for each fitted figure id, (its validated config, its measured TPS/GPU). Each
+def fit(targets: dict[str, tuple[object, float, object]]) -> dict[str, float]:
+    """targets: for each fitted figure id, (its validated config, its measured TPS/GPU, the
+    software stack that ran it, core/dryrun/stack.py). Each
     constant is fitted on its figure alone (a clock changes only its own specs); returns them by
     figure id, rounded as stored."""
     from core.dryrun.gpuspec import load_spec
@@ -69,12 +70,12 @@ def fit(targets: dict[str, tuple[object, float]]) -> dict[str, float]:
     mem = {"allocated_peak_gib": 0.0}  # memory is not what is fitted
     out = {}
     for f in FITS:
-        cfg, measured = targets[f.figure]
+        cfg, measured, stack = targets[f.figure]
         spec = load_spec(f.specs[0])
 
-        def err(x, f=f, cfg=cfg, measured=measured, spec=spec):
+        def err(x, f=f, cfg=cfg, measured=measured, spec=spec, stack=stack):
             s = dataclasses.replace(spec, **{f.field: x})
-            return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - measured
+            return predict(cfg, s, memory=mem, stack=stack)["tokens_per_sec_per_gpu"] - measured
 
         out[f.figure] = round(_bisect(err, 0.05, 1.0), 3)
     return out

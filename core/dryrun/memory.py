@@ -27,6 +27,7 @@ from core.dryrun.activations import Shapes, head_memory, layer_memory, microbatc
 from core.dryrun.linears import float8_memory, fp8_all_gather
 from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
+from core.parallel.reshard import reshard_after_forward
 from core.parallel.stages import plan_stages, stage_ids_for_rank, stages_per_rank
 
 GIB = 2**30
@@ -129,8 +130,19 @@ def _grad_bytes(cfg) -> tuple[int, int]:
     return comp, red
 
 
-def _simulate_flat(cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool) -> _Timeline:
-    """No pipeline: forward of every block, loss, backward of every block, optimizer."""
+def _reshard(cfg, stage: StageParams, stack: Stack) -> tuple[list[bool], bool]:
+    """Without PP: each block's and the root's reshard after forward (core/parallel/reshard.py);
+    torch before pytorch#154704 kept the root gathered whatever it was asked (`stack`)."""
+    blocks, root = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, stage.layers, False)
+    return blocks, root and not stack.root_kept_gathered
+
+
+def _simulate_flat(
+    cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool, stack: Stack = THIS_TRAINER
+) -> _Timeline:
+    """No pipeline: forward of every block, loss, backward of every block, optimizer. A block
+    FSDP reshards after forward is gathered for its forward (the next one prefetched) and again
+    for its backward; one it keeps stays gathered in between (core/parallel/reshard.py)."""
     tl = _Timeline()
     n = stage.total
     tl.add(params=4 * n / shard, optimizer=8 * n / shard)
@@ -143,27 +155,35 @@ def _simulate_flat(cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp
     if not fsdp:
         blk, root = stage.block * act, stage.root * act
     L = stage.layers
-    gathered = 2 * blk + root  # current + prefetched block, root (embedding/output)
+    resharded, root_resharded = _reshard(cfg, stage, stack)
     for step in range(max(1, cfg.training.grad_accum_steps)):
+        kept = 0  # blocks that keep their gathered parameters from forward to backward
         for i in range(L):
             tl.add(activations=lm["saved"])
-            tl.peak(f"forward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["fwd_work"])
-        # The root reshards after forward: the loss runs with only the last block kept gathered.
+            here = blk * (1 + (i + 1 < L) + kept) + root  # this block, the next one prefetched, the root
+            tl.peak(f"forward layer {i}", fsdp_unsharded_params=here, working_set=lm["fwd_work"])
+            kept += not resharded[i]
+        held = blk * kept + (0 if root_resharded else root)  # after the root's forward
         tl.add(activations=hm["saved"])
-        tl.peak("loss forward", fsdp_unsharded_params=blk, working_set=hm["loss_fwd_work"])
-        tl.peak("loss backward", fsdp_unsharded_params=blk, working_set=hm["loss_bwd_work"])
+        tl.peak("loss forward", fsdp_unsharded_params=held, working_set=hm["loss_fwd_work"])
+        tl.peak("loss backward", fsdp_unsharded_params=held, working_set=hm["loss_bwd_work"])
         tl.add(activations=-hm["saved"])
         tl.peak(
             "output backward",
-            fsdp_unsharded_params=blk + root,
+            fsdp_unsharded_params=blk * kept + root,
             working_set=hm["logits_grad"] + hm["norm_saved"],
             grad_buffers=comp * stage.root,
         )
         for i in reversed(range(L)):
+            kept -= not resharded[i]  # the blocks before this one that stayed gathered
+            prefetched = i > 0 and resharded[i - 1]
             # The block's gradients as computed, then cast to the reduce dtype for reduce-scatter.
             bufs = stage.block * (comp + (red if red != comp or fsdp else 0))
             tl.peak(
-                f"backward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["bwd_work"], grad_buffers=bufs
+                f"backward layer {i}",
+                fsdp_unsharded_params=blk * (1 + prefetched + kept) + root,
+                working_set=lm["bwd_work"],
+                grad_buffers=bufs,
             )
             tl.add(activations=-lm["saved"])
             if step == 0:
@@ -279,7 +299,7 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB, stack: Stack = THIS_TRA
     per_rank = []
     if p.pp == 1:
         stage = stage_params(args, args.n_layers, True, True, p.tp)
-        per_rank.append(_simulate_flat(cfg, stage, lm, hm, shard, dims.fsdp_enabled))
+        per_rank.append(_simulate_flat(cfg, stage, lm, hm, shard, dims.fsdp_enabled, stack))
     else:
         n_micro = microbatches(cfg)
         table = schedule_table(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))

@@ -36,6 +36,7 @@ from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
 from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
+from core.dryrun.fsdp_cost import fsdp_stream, fsdp_times
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
 
@@ -43,9 +44,11 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds, fp8_all_gather, linear_gemm_shapes
+from core.dryrun.linears import block_linear_seconds, linear_gemm_shapes
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
+from core.parallel.reshard import reshard_after_forward
 
 # Flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores).
 FLASH_BWD_OVER_FWD = 2.5
@@ -247,22 +250,6 @@ class _Acc:
             self.comm[key] = self.comm.get(key, 0.0) + t
 
 
-def _fsdp_stream(events: list[tuple[float, float, float]]) -> float:
-    """Compute events with the FSDP stream beside them: event k needs its all-gather a_k, issued
-    when event k-1 starts (one block of prefetch), and issues its reduce-scatter r_k when it
-    ends; the stream runs its collectives in issue order. Returns when the last one finishes."""
-    comm_free = end_prev = 0.0
-    ag_end = comm_free = events[0][1] if events else 0.0
-    for k, (c, _, r) in enumerate(events):
-        start = max(end_prev, ag_end)
-        if k + 1 < len(events):  # the next all-gather is issued now, before this event's reduce-scatter
-            ag_end = comm_free = max(comm_free, start) + events[k + 1][1]
-        end_prev = start + c
-        if r:
-            comm_free = max(comm_free, end_prev) + r
-    return max(end_prev, comm_free)
-
-
 def _stage_costs(blk: dict, head: dict, emb: dict, stage: StageParams) -> dict:
     """Seconds of one microbatch's F and B on a stage (compute path only) and their breakdown."""
     f_parts, b_parts = [], []
@@ -294,17 +281,6 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
     }
 
 
-def _fsdp_bytes(cfg, stage: StageParams) -> dict:
-    f8 = fp8_all_gather(cfg)
-    red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
-    return {
-        "ag_block": stage.block_linear * (1 if f8 else 2) + (stage.block - stage.block_linear) * 2,
-        "ag_root": stage.root * 2,
-        "rs_block": stage.block * red,
-        "rs_root": stage.root * red,
-    }
-
-
 @dataclass(frozen=True)
 class _Step:
     """What every part of the step reads: the config, the model's shapes, the mesh's links, the
@@ -322,9 +298,10 @@ class _Step:
     blk: dict
     head: dict
     emb: dict
+    stack: Stack = THIS_TRAINER
 
 
-def _step_inputs(cfg, spec: GPUSpec) -> _Step:
+def _step_inputs(cfg, spec: GPUSpec, stack: Stack = THIS_TRAINER) -> _Step:
     from core.parallel.mesh import ParallelDims
 
     p = cfg.parallelism
@@ -339,21 +316,7 @@ def _step_inputs(cfg, spec: GPUSpec) -> _Step:
     blk = block_times(cfg, s, spec, links)
     head = head_times(cfg, s, spec, links, a.vocab_size)
     emb = _emb_times(cfg, s, spec, links, a.vocab_size)
-    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb)
-
-
-def _fsdp_times(step: _Step, stage: StageParams) -> dict:
-    """Seconds of a stage's FSDP collectives: the all-gather of a block and of the root
-    (embedding, norm, output), their reduce-scatters plus HSDP's all-reduce of the shard."""
-    b = _fsdp_bytes(step.cfg, stage)
-    fl, rep = step.links["fsdp"], step.links["dp_replicate"]
-    on = step.dims.fsdp_enabled
-    return {
-        "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
-        "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
-        "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / step.shard),
-        "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / step.shard),
-    }
+    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb, stack)
 
 
 def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
@@ -362,20 +325,28 @@ def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
     forward-backward seconds, the bubble (none) and the parameters the rank holds."""
     a, blk, head, emb = step.args, step.blk, step.head, step.emb
     stage = stage_params(a, a.n_layers, True, True, step.cfg.parallelism.tp)
-    ft = _fsdp_times(step, stage)
+    ft = fsdp_times(step.cfg, step.links, step.dims.fsdp_enabled, step.shard, stage)
     costs = _stage_costs(blk, head, emb, stage)
     blk_f, blk_b = _sum(blk["fwd"]), _sum(blk["bwd"]) + _sum(blk["recompute"])
+    # A block (or the root) FSDP reshards after forward is gathered again for its backward.
+    resharded, root_resharded = reshard_after_forward(
+        step.cfg.parallelism.fsdp_reshard_after_forward, a.n_layers, False
+    )
+    root_resharded = root_resharded and not step.stack.root_kept_gathered
     events = []
     for _ in range(step.accum):
         events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
         events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
-        events.append((_sum(head["fwd"]) + _sum(head["bwd"]), 0.0, 0.0))
-        events += [(blk_b, ft["ag_block"], ft["rs_block"])] * a.n_layers
+        events.append((_sum(head["fwd"]), 0.0, 0.0))
+        events.append((_sum(head["bwd"]), ft["ag_root"] * root_resharded, 0.0))
+        for i in reversed(range(a.n_layers)):
+            events.append((blk_b, ft["ag_block"] * resharded[i], ft["rs_block"]))
         events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
         for d, n, rec in costs["f_parts"] + costs["b_parts"]:
             acc.add(d, n, rec)
+
     busy = sum(e[0] for e in events)
-    fb = _fsdp_stream(events)
+    fb = fsdp_stream(events)
     acc.comm_add(step.links["fsdp"].label, fb - busy)
     return fb, 0.0, stage.total
 
@@ -400,7 +371,10 @@ def _pp_stages(step: _Step, placement: list, n_stages: int) -> tuple[dict, dict,
         for sid, layers in rank
     }
     costs = {sid: _stage_costs(step.blk, step.head, step.emb, stage) for sid, stage in stages.items()}
-    ft = {sid: _fsdp_times(step, stage) for sid, stage in stages.items()}
+    ft = {
+        sid: fsdp_times(step.cfg, step.links, step.dims.fsdp_enabled, step.shard, stage)
+        for sid, stage in stages.items()
+    }
     first_f = {}
     for sid, stage in stages.items():
         ag_stage = stage.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
@@ -474,12 +448,13 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
     }
 
 
-def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -> dict:
+def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None, stack: Stack = THIS_TRAINER) -> dict:
     """Step time, tokens/s per GPU, MFU and the breakdown (seconds) of a validated config on a
     GPU system (a spec name, see core/dryrun/hardware, or a GPUSpec). `memory`: the config's
-    `estimate_memory` result if the caller has it (else computed) for `fits`."""
+    `estimate_memory` result if the caller has it (else computed) for `fits`; `stack`: the
+    software that ran it, where it differs from this trainer (core/dryrun/stack.py)."""
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
-    step = _step_inputs(cfg, spec)
+    step = _step_inputs(cfg, spec, stack)
     acc = _Acc()
     run = _flat_step if cfg.parallelism.pp == 1 else _pipelined_step
     fb, bubble, params_local = run(step, acc)

@@ -17,6 +17,11 @@ class Stack:
     # every Float8 cast's input, weights included, is a tensor of its own and is kept to backward;
     # compiled, only the rowwise recipe's weight abs() is (tensorwise fuses it into the amax).
     sac_saves_abs: bool = False
+    # FSDP2 kept the root module's parameters gathered from forward to backward whatever its
+    # reshard_after_forward said ("we assumed root model will be used in backward immediately")
+    # until pytorch/pytorch PR 154704 (June 2025, torch 2.8): torchtitan's embedding, final norm
+    # and output stayed gathered through the loss in every run before it.
+    root_kept_gathered: bool = False
 
 
 THIS_TRAINER = Stack()

@@ -100,6 +100,7 @@ def _reference_figures() -> list[Figure]:
             if r.reference.get(key):
                 f = Figure(f"{col}/{r.id}", col, r.id, DEFAULT_GPU, float(r.reference[key]))
                 f.measured_reserved = r.reference.get(mem)
+                f.stack = dict(data()["sources"][col].get("stack", {}))
                 out.append(f)
     return out
 
@@ -125,7 +126,7 @@ def figures() -> list[Figure]:
                 measured_reserved=f.get("measured_reserved_gib"),
                 memory_outside=f.get("memory_outside", ""),
                 memory_role=f.get("memory_role", ""),
-                stack=dict(f.get("stack", {})),
+                stack={**data()["sources"][f["source"]].get("stack", {}), **f.get("stack", {})},
             )
         )
     fitted = set(calibrate.fitted_figures())
@@ -136,10 +137,15 @@ def figures() -> list[Figure]:
     return out
 
 
-def fit_targets() -> dict[str, tuple[object, float]]:
-    """For each fitted figure: (its validated config, its measured TPS/GPU), for calibrate.fit."""
+def fit_targets() -> dict[str, tuple[object, float, object]]:
+    """For each fitted figure: (its validated config, its measured TPS/GPU, the stack that ran
+    it), for calibrate.fit."""
+    from core.dryrun.stack import stack_of
+
     by_id = {f.id: f for f in figures()}
-    return {fid: (by_id[fid].cfg, by_id[fid].measured) for fid in calibrate.fitted_figures()}
+    return {
+        fid: (by_id[fid].cfg, by_id[fid].measured, stack_of(by_id[fid].stack)) for fid in calibrate.fitted_figures()
+    }
 
 
 def _same_run(a: Figure, b: Figure) -> bool:
@@ -148,10 +154,11 @@ def _same_run(a: Figure, b: Figure) -> bool:
 
 def predict_all(figs: list[Figure]) -> list[Figure]:
     from core.dryrun.runtime import predict
+    from core.dryrun.stack import stack_of
     from recipes.report import memory_validation
 
     for f in figs:
-        f.predicted = predict(f.cfg, f.gpu, memory=NO_MEM)["tokens_per_sec_per_gpu"]
+        f.predicted = predict(f.cfg, f.gpu, memory=NO_MEM, stack=stack_of(f.stack))["tokens_per_sec_per_gpu"]
     memory_validation.predict_all(figs)
     return figs
 
