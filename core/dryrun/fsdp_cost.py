@@ -47,3 +47,23 @@ def fsdp_stream(events: list[tuple[float, float, float]]) -> float:
         if r:
             comm_free = max(comm_free, end_prev) + r
     return max(end_prev, comm_free)
+
+
+def fsdp_copies(cfg, hbm: float, on: bool, stage: StageParams) -> dict:
+    """Seconds of the copies FSDP2 makes on the compute stream, at the streaming rate `hbm`
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): after an all-gather,
+    `foreach_all_gather_copy_out` splits the gathered buffer into the unsharded parameters
+    (reads and writes its bytes); before a reduce-scatter, `foreach_reduce` copies the unsharded
+    gradients, as computed, into its input in the reduce dtype (`foreach_reduce_scatter_copy_in`,
+    on the current stream: "Only after the copy-in finishes can we free the gradients")."""
+    if not on:
+        return dict.fromkeys(("ag_block", "ag_root", "rs_block", "rs_root"), 0.0)
+    b = fsdp_bytes(cfg, stage)
+    comp = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
+    red = b["rs_block"] / stage.block  # bytes of a reduce-dtype element
+    return {
+        "ag_block": 2 * b["ag_block"] / hbm,
+        "ag_root": 2 * b["ag_root"] / hbm,
+        "rs_block": (comp + red) * stage.block / hbm,
+        "rs_root": (comp + red) * stage.root / hbm,
+    }

@@ -36,7 +36,7 @@ from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
 from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
-from core.dryrun.fsdp_cost import fsdp_stream, fsdp_times
+from core.dryrun.fsdp_cost import fsdp_copies, fsdp_stream, fsdp_times
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
 
@@ -333,18 +333,28 @@ def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
         step.cfg.parallelism.fsdp_reshard_after_forward, a.n_layers, False
     )
     root_resharded = root_resharded and not step.stack.root_kept_gathered
+    cp = fsdp_copies(step.cfg, _Rates(step.spec).hbm, step.dims.fsdp_enabled, stage)
     events = []
     for _ in range(step.accum):
-        events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
-        events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
+        events.append((_sum(emb["fwd"]) + cp["ag_root"], ft["ag_root"], 0.0))
+        events += [(blk_f + cp["ag_block"], ft["ag_block"], 0.0)] * a.n_layers
         events.append((_sum(head["fwd"]), 0.0, 0.0))
-        events.append((_sum(head["bwd"]), ft["ag_root"] * root_resharded, 0.0))
+        events.append((_sum(head["bwd"]) + cp["ag_root"] * root_resharded, ft["ag_root"] * root_resharded, 0.0))
         for i in reversed(range(a.n_layers)):
-            events.append((blk_b, ft["ag_block"] * resharded[i], ft["rs_block"]))
-        events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
+            events.append(
+                (blk_b + cp["ag_block"] * resharded[i] + cp["rs_block"], ft["ag_block"] * resharded[i], ft["rs_block"])
+            )
+        events.append((_sum(emb["bwd"]) + cp["rs_root"], 0.0, ft["rs_root"]))
         for d, n, rec in costs["f_parts"] + costs["b_parts"]:
             acc.add(d, n, rec)
-
+        gathers = a.n_layers + sum(resharded)
+        copies = (
+            gathers * cp["ag_block"]
+            + (1 + root_resharded) * cp["ag_root"]
+            + a.n_layers * cp["rs_block"]
+            + cp["rs_root"]
+        )
+        acc.add({"memory_bound": copies})
     busy = sum(e[0] for e in events)
     fb = fsdp_stream(events)
     acc.comm_add(step.links["fsdp"].label, fb - busy)
@@ -376,9 +386,16 @@ def _pp_stages(step: _Step, placement: list, n_stages: int) -> tuple[dict, dict,
         for sid, stage in stages.items()
     }
     first_f = {}
+    hbm = _Rates(step.spec).hbm
     for sid, stage in stages.items():
         ag_stage = stage.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
         first_f[sid] = ft[sid]["ag_block"] + max(0.0, ag_stage - ft[sid]["ag_block"] - costs[sid]["F"])
+        # FSDP's copies on the compute stream: the gathered stage's copy-out at its first forward,
+        # the reduce-scatters' copy-in after its last backward (core/dryrun/fsdp_cost.py).
+        cp = fsdp_copies(step.cfg, hbm, step.dims.fsdp_enabled, stage)
+        ft[sid]["copy_in"] = stage.layers * cp["ag_block"] + cp["ag_root"]
+        ft[sid]["copy_out"] = stage.layers * cp["rs_block"] + cp["rs_root"]
+        first_f[sid] += ft[sid]["copy_in"]
     return stages, costs, ft, first_f
 
 
@@ -401,17 +418,20 @@ def _pipelined_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
     free1, _ = run_schedule(table, n_stages, cost, hop)
     free0, _ = run_schedule(table, n_stages, cost, 0.0)
     tails = [
-        sum(stages[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
+        sum(stages[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] + ft[sid]["copy_out"] for sid, _ in rank)
+        for rank in placement
     ]
     ends = [f + tl for f, tl in zip(free1, tails, strict=True)]
     r = max(range(p.pp), key=lambda i: ends[i])
     fb = step.accum * ends[r]
     fsdp_label = step.links["fsdp"].label
+    copies = sum(ft[sid]["copy_in"] + ft[sid]["copy_out"] for sid, _ in placement[r])
     for sid, _ in placement[r]:
         for d, n, rec in costs[sid]["f_parts"] + costs[sid]["b_parts"]:
             acc.add(d, n * n_micro * step.accum, rec)
-        acc.comm_add(fsdp_label, step.accum * first_f[sid])
-    acc.comm_add(fsdp_label, step.accum * tails[r])
+        acc.comm_add(fsdp_label, step.accum * (first_f[sid] - ft[sid]["copy_in"]))
+    acc.comm_add(fsdp_label, step.accum * (tails[r] - sum(ft[sid]["copy_out"] for sid, _ in placement[r])))
+    acc.add({"memory_bound": copies}, step.accum)
     acc.comm_add("pp", step.accum * max(0.0, max(free1) - max(free0)))
     bubble = max(0.0, fb - sum(acc.parts.values()) - sum(acc.comm.values()))
     params_local = max(sum(stages[sid].total for sid, _ in rank) for rank in placement)
