@@ -450,3 +450,23 @@ def test_float8_memory_of_eager_casts_and_of_the_abs_a_save_list_kept():
             f"float8.enable_fsdp_float8_all_gather={o[2]}",
         )
         assert fp8_all_gather(c) == fp8_all_gather_active(c), o
+
+
+def test_a_loss_compiled_with_the_model_keeps_bf16_logits_and_their_gradient():
+    """torchtitan's compiled loss (stack.loss_compiled, with compile on): the fused cross-entropy
+    keeps the bf16 logits and a log-sum-exp per row and writes one bf16 gradient; uncompiled, the
+    fp32 logits, the log-softmax output and its gradients (12 bytes a logit at the peak)."""
+    from core.dryrun.activations import head_memory, shapes
+    from core.dryrun.memory import estimate_memory
+    from core.dryrun.stack import Stack
+
+    c = cfg_with(T1_COMP, "training.local_batch_size=1")
+    s = shapes(c)
+    logits = s.tokens * s.vocab
+    plain, fused = head_memory(c, s), head_memory(c, s, loss_compiled=True)
+    assert plain["saved"] + plain["loss_bwd_work"] - plain["norm_saved"] == 12 * logits
+    assert fused["saved"] + fused["loss_bwd_work"] - fused["norm_saved"] == 4 * logits + 4 * s.tokens
+    with_stack = estimate_memory(c, stack=Stack(loss_compiled=True))["allocated_peak_gib"]
+    assert with_stack < estimate_memory(c)["allocated_peak_gib"]
+    eager = cfg_with("llama3_8b/table1/8gpu_fsdp", "training.local_batch_size=1")
+    assert estimate_memory(eager, stack=Stack(loss_compiled=True)) == estimate_memory(eager)  # only with compile

@@ -108,14 +108,21 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     }
 
 
-def _sac_op_saved(s: Shapes, every_other_mm: bool) -> dict[str, float]:
+def _sac_op_saved(s: Shapes, every_other_mm: bool, compiled: bool = False) -> dict[str, float]:
     """Selective op AC (core/toggles/activation_checkpoint.py SAVE_OPS): the block input, every
     matmul output (or every second one, torchtitan's variant), SDPA's outputs and, under TP, the
-    reduce-scatter outputs; everything else is recomputed."""
+    reduce-scatter outputs; everything else is recomputed.
+
+    Eager, the policy's cache keeps every output it saves until the block's recompute. Compiled,
+    AOTAutograd saves only what backward reads: not the outputs of wo and w2 (and of their TP
+    reduce-scatters), whose one reader is the residual add (measured: a compiled block on torch
+    2.13 saves x, wq's, wv's, SDPA's and w1's outputs and no w2 output)."""
     T, a = s.tokens, s.act
     sp_T = T * s.sp
     row_out = T * a * s.d  # wo / w2 matmul outputs (under TP: the partial sums before reduce-scatter)
     mms = [T * a * s.q, T * a * s.kv, T * a * s.kv, row_out, T * a * s.f, T * a * s.f, row_out]
+    if compiled:
+        mms[3] = mms[6] = 0.0
     if every_other_mm:
         mms = mms[0::2]
     out = {
@@ -123,7 +130,7 @@ def _sac_op_saved(s: Shapes, every_other_mm: bool) -> dict[str, float]:
         "matmul_outputs": float(sum(mms)),
         "attention_out": T * (a * s.q + 4 * s.heads),
     }
-    if s.tp > 1:
+    if s.tp > 1 and not compiled:
         out["reduce_scatter_outputs"] = 2 * sp_T * a * s.d
     return out
 
@@ -163,7 +170,7 @@ def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dic
     elif ac.mode == "full":
         saved, input_saved = {"block_input": block_input}, block_input
     elif ac.selective_ac_option == "op":
-        saved = _sac_op_saved(s, every_other_mm=getattr(ac, "save_every_other_mm", False))
+        saved = _sac_op_saved(s, getattr(ac, "save_every_other_mm", False))
         input_saved = block_input
     else:  # every k-th block fully checkpointed: average over the blocks
         k = int(ac.selective_ac_option)
@@ -212,7 +219,7 @@ def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dic
     }
 
 
-def head_memory(cfg, s: Shapes | None = None) -> dict:
+def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> dict:
     """The final norm + output projection + cross-entropy of the last stage (bytes per
     microbatch): what stays saved after forward and the extra working set of the loss.
 
@@ -224,9 +231,25 @@ def head_memory(cfg, s: Shapes | None = None) -> dict:
     real tensors (tests/test_estimate.py checks it; under FakeTensorMode the tracker also counts
     the global-shape tensors of DTensor's sharding propagation in the loss-parallel handlers, 8
     bytes per logit per TP rank, which no GPU holds).
+
+    `loss_compiled` (torchtitan's compiled loss, core/dryrun/stack.py): the model returns bf16
+    logits and one fused kernel computes the loss from them, keeping them (2 bytes a logit) and
+    each row's log-sum-exp for backward, which writes their bf16 gradient once: no fp32 copy, no
+    log-softmax output.
     """
     s = s or shapes(cfg)
     T, a, V = s.tokens, s.act, s.vocab
+    if loss_compiled:
+        norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d
+        return {
+            "saved": norm_saved + a * T * V + 4 * T,
+            "norm_saved": norm_saved,
+            "log_softmax": 4 * T,
+            "loss_fwd_work": 0.0,
+            "loss_bwd_work": a * T * V,
+            "logits": a * T * V,
+            "logits_grad": T * V * a,
+        }
     lp = 4 if (s.tp > 1 and cfg.parallelism.loss_parallel) else 0
     norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d  # + the projection's input
     lsm = 4 * T * V

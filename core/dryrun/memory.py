@@ -292,7 +292,8 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB, stack: Stack = THIS_TRA
     p = cfg.parallelism
     dims = ParallelDims.from_config(p)
     s = shapes(cfg)
-    lm, hm = layer_memory(cfg, s, float8_memory(cfg, s, stack)), head_memory(cfg, s)
+    lm = layer_memory(cfg, s, float8_memory(cfg, s, stack))
+    hm = head_memory(cfg, s, stack.loss_compiled and cfg.compile.enabled)
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     placement = rank_stages(cfg)
     n_stages = sum(len(r) for r in placement)

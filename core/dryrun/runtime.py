@@ -196,7 +196,7 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
     return {"fwd": fwd, "bwd": bwd, "recompute": rec}
 
 
-def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
+def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int, loss_compiled: bool = False) -> dict:
     """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
     forward and backward seconds, and the exposed TP part (all-gather of the normed input,
     loss parallel's two scalar-per-token all-reduces; the head is not compiled, so AsyncTP
@@ -207,8 +207,11 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     f, gi, gw = linear_gemm_shapes(T, V, s.d)
     mm_f = gemm_seconds(spec, *f, "bf16")
     mm_b = gemm_seconds(spec, *gi, "bf16") + gemm_seconds(spec, *gw, "bf16")
-    # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way).
-    ce = 18 * T * V / r.hbm
+    # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way);
+    # compiled with the model (`loss_compiled`), one kernel reads the bf16 logits (2) and backward
+    # reads them and writes their gradient (4).
+    ce_f, ce_b = (2, 4) if loss_compiled else (18, 18)
+    ce, ce_back = ce_f * T * V / r.hbm, ce_b * T * V / r.hbm
     norm = (8 if cfg.compile.enabled else 42) * T * s.sp * s.d / r.hbm
     tp = 0.0
     if s.tp > 1:
@@ -217,7 +220,7 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
             tp += 2 * links["tp"].ring(4 * T * s.tp)
     return {
         "fwd": {"compute": mm_f, "memory_bound": ce + norm + _sp_copy(cfg, s, spec, "ag"), "tp": tp},
-        "bwd": {"compute": mm_b, "memory_bound": ce + 2 * norm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
+        "bwd": {"compute": mm_b, "memory_bound": ce_back + 2 * norm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
     }
 
 
@@ -314,7 +317,7 @@ def _step_inputs(cfg, spec: GPUSpec, stack: Stack = THIS_TRAINER) -> _Step:
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     accum = max(1, cfg.training.grad_accum_steps)
     blk = block_times(cfg, s, spec, links)
-    head = head_times(cfg, s, spec, links, a.vocab_size)
+    head = head_times(cfg, s, spec, links, a.vocab_size, stack.loss_compiled and cfg.compile.enabled)
     emb = _emb_times(cfg, s, spec, links, a.vocab_size)
     return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb, stack)
 

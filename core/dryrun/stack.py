@@ -22,6 +22,11 @@ class Stack:
     # until pytorch/pytorch PR 154704 (June 2025, torch 2.8): torchtitan's embedding, final norm
     # and output stayed gathered through the loss in every run before it.
     root_kept_gathered: bool = False
+    # torchtitan compiles the loss with the model when training.compile is on, from PR 1033
+    # (pytorch/torchtitan, merged 2025-04: "the loss fn builder has only 1 responsibility of
+    # compiling the loss fn if job_config.training.compile is set"); its model returns bf16
+    # logits (the .float() moved into the loss), so a fused cross-entropy reads them in place.
+    loss_compiled: bool = False
 
 
 THIS_TRAINER = Stack()
