@@ -376,3 +376,53 @@ def test_plan_command():
     assert "paper (llama3_8b/table1/8gpu_fsdp): the same layout." in res.output
     bad = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "0"])
     assert bad.exit_code != 0
+
+
+def test_compiled_op_sac_saves_only_what_backward_reads():
+    """A compiled block under op SAC (every other matmul) saves, beyond its parameters, the block
+    input, wq's, wv's, SDPA's and w1's outputs and not w2's (its one reader is the residual add),
+    as the accounting counts it compiled; eager SAC's cache keeps w2's output too."""
+    import torch
+
+    from core.models.args import ModelArgs
+    from core.models.llama3 import TransformerBlock, precompute_freqs_cis
+    from core.toggles.activation_checkpoint import wrap_block
+
+    args = ModelArgs(
+        dim=256, n_layers=1, n_heads=4, n_kv_heads=1, multiple_of=256, ffn_dim_multiplier=1.3, max_seq_len=512
+    )
+    T = 512
+    block = TransformerBlock(0, args).to(torch.bfloat16)
+    block.init_weights()
+    fc = precompute_freqs_cis(args)[:T]
+    fn = torch.compile(wrap_block(block, "op", save_every_other_mm=True))
+    x = torch.randn(1, T, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    fn(x, fc).sum().backward()  # compile first
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and not t.is_complex():
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, fc)
+    cfg = small_cfg(
+        "model.ffn_dim_multiplier=1.3",
+        "model.multiple_of=256",
+        "model.dim=256",
+        "model.n_heads=4",
+        "model.n_kv_heads=1",
+        "training.seq_len=512",
+        "training.local_batch_size=1",
+        'activation_checkpoint.mode="selective"',
+        "activation_checkpoint.save_every_other_mm=true",
+        "compile.enabled=true",
+        world=1,
+    )
+    s = A.shapes(cfg)
+    assert (s.d, s.q, s.kv, s.f) == (args.dim, 256, 64, block.feed_forward.w1.out_features)
+    compiled = A._sac_op_saved(s, True, compiled=True)
+    assert sum(saved) == sum(compiled.values())
+    assert sum(A._sac_op_saved(s, True).values()) - sum(compiled.values()) == T * 2 * args.dim  # w2's output

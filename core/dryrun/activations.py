@@ -170,7 +170,7 @@ def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dic
     elif ac.mode == "full":
         saved, input_saved = {"block_input": block_input}, block_input
     elif ac.selective_ac_option == "op":
-        saved = _sac_op_saved(s, getattr(ac, "save_every_other_mm", False))
+        saved = _sac_op_saved(s, getattr(ac, "save_every_other_mm", False), compiled)
         input_saved = block_input
     else:  # every k-th block fully checkpointed: average over the blocks
         k = int(ac.selective_ac_option)
