@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import time
 
@@ -378,10 +379,13 @@ def test_plan_command():
     assert bad.exit_code != 0
 
 
-def test_compiled_op_sac_saves_only_what_backward_reads():
-    """A compiled block under op SAC (every other matmul) saves, beyond its parameters, the block
-    input, wq's, wv's, SDPA's and w1's outputs and not w2's (its one reader is the residual add),
-    as the accounting counts it compiled; eager SAC's cache keeps w2's output too."""
+@pytest.mark.parametrize("ac,autocast", [("op", False), ("none", False), ("none", True)])
+def test_a_compiled_block_saves_what_the_accounting_counts(ac, autocast):
+    """Measured on torch 2.13 (a block compiled, its saved tensors summed): under op SAC (every
+    other matmul) it saves the block input, wq's, wv's, SDPA's and w1's outputs and not w2's (its
+    one reader is the residual add; eager SAC's cache keeps it); without AC the block input and
+    rstd, each matmul's input, q/k/v, SDPA's outputs and w1's and w3's; under autocast (bf16
+    without FSDP) the block input stays fp32 and each matmul saves its bf16 cast of the weight."""
     import torch
 
     from core.models.args import ModelArgs
@@ -392,22 +396,30 @@ def test_compiled_op_sac_saves_only_what_backward_reads():
         dim=256, n_layers=1, n_heads=4, n_kv_heads=1, multiple_of=256, ffn_dim_multiplier=1.3, max_seq_len=512
     )
     T = 512
-    block = TransformerBlock(0, args).to(torch.bfloat16)
+    block = TransformerBlock(0, args)
     block.init_weights()
+    if not autocast:
+        block = block.to(torch.bfloat16)
     fc = precompute_freqs_cis(args)[:T]
-    fn = torch.compile(wrap_block(block, "op", save_every_other_mm=True))
-    x = torch.randn(1, T, args.dim, dtype=torch.bfloat16, requires_grad=True)
-    fn(x, fc).sum().backward()  # compile first
+    fn = torch.compile(wrap_block(block, ac, save_every_other_mm=True) if ac != "none" else block)
+    x = torch.randn(1, T, args.dim, dtype=torch.float32 if autocast else torch.bfloat16, requires_grad=True)
+    cast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
+    with cast():
+        y = fn(x, fc)
+    y.float().sum().backward()  # compile first
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved = []
+    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    saved, weights = {}, {}
 
     def pack(t):
-        if t.untyped_storage().data_ptr() not in params and not t.is_complex():
-            saved.append(t.numel() * t.element_size())
+        key = t.untyped_storage().data_ptr()
+        if key not in params and not t.is_complex():
+            (weights if tuple(t.shape) in shapes else saved)[key] = t.numel() * t.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
         fn(x, fc)
+    dp = ["parallelism.dp_shard=1"] if autocast else []
     cfg = small_cfg(
         "model.ffn_dim_multiplier=1.3",
         "model.multiple_of=256",
@@ -416,13 +428,17 @@ def test_compiled_op_sac_saves_only_what_backward_reads():
         "model.n_kv_heads=1",
         "training.seq_len=512",
         "training.local_batch_size=1",
-        'activation_checkpoint.mode="selective"',
+        f'activation_checkpoint.mode="{"selective" if ac == "op" else ac}"',
         "activation_checkpoint.save_every_other_mm=true",
         "compile.enabled=true",
-        world=1,
+        *dp,
+        world=1 if autocast else 2,
     )
     s = A.shapes(cfg)
-    assert (s.d, s.q, s.kv, s.f) == (args.dim, 256, 64, block.feed_forward.w1.out_features)
-    compiled = A._sac_op_saved(s, True, compiled=True)
-    assert sum(saved) == sum(compiled.values())
-    assert sum(A._sac_op_saved(s, True).values()) - sum(compiled.values()) == T * 2 * args.dim  # w2's output
+    assert (s.d, s.q, s.kv, s.f, s.res) == (args.dim, 256, 64, block.feed_forward.w1.out_features, 4 if autocast else 2)
+    counted = A._sac_op_saved(s, True, compiled=True) if ac == "op" else A._noac_saved(s, compiled=True)
+    assert sum(saved.values()) == sum(counted.values())
+    linear_weights = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    assert sum(weights.values()) == (2 * linear_weights if autocast else 0)  # autocast's bf16 casts
+    if ac == "op":
+        assert sum(A._sac_op_saved(s, True).values()) - sum(counted.values()) == T * 2 * args.dim  # w2's output

@@ -130,9 +130,15 @@ def _grad_bytes(cfg) -> tuple[int, int]:
     return comp, red
 
 
-def _reshard(cfg, stage: StageParams, stack: Stack) -> tuple[list[bool], bool]:
-    """Without PP: each block's and the root's reshard after forward (core/parallel/reshard.py);
-    torch before pytorch#154704 kept the root gathered whatever it was asked (`stack`)."""
+def _reshard(cfg, stage: StageParams, stack: Stack, fsdp: bool) -> tuple[list[bool], bool]:
+    """Without PP: whether each block's and the root's compute copy of its parameters is freed
+    after forward. With FSDP, its reshard policy (core/parallel/reshard.py; torch before
+    pytorch#154704 kept the root gathered whatever it was asked, `stack`). Without FSDP the copy
+    is autocast's bf16 cast, which each matmul saves for backward unless the block recomputes
+    (without AC: kept to backward, eager and compiled alike; measured, tests/test_estimate.py)."""
+    if not fsdp:
+        kept = cfg.activation_checkpoint.mode == "none"
+        return [not kept] * stage.layers, not kept
     blocks, root = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, stage.layers, False)
     return blocks, root and not stack.root_kept_gathered
 
@@ -155,7 +161,7 @@ def _simulate_flat(
     if not fsdp:
         blk, root = stage.block * act, stage.root * act
     L = stage.layers
-    resharded, root_resharded = _reshard(cfg, stage, stack)
+    resharded, root_resharded = _reshard(cfg, stage, stack, fsdp)
     for step in range(max(1, cfg.training.grad_accum_steps)):
         kept = 0  # blocks that keep their gathered parameters from forward to backward
         for i in range(L):
