@@ -80,3 +80,32 @@ def test_fsdp_copies_run_on_the_compute_stream_once_per_gather_and_reduce():
     assert mb() - mb('parallelism.fsdp_reshard_after_forward="never"') == pytest.approx(skipped, rel=1e-6)
     short = [mb("training.seq_len=4096") / mb(), mb("training.seq_len=8192") / mb()]
     assert short[0] > 0.5 and short[1] == 1.0  # the copies do not halve with the tokens
+
+
+def test_float8_all_gather_without_precomputed_scales_reduces_each_weights_amax():
+    """With the float8 all-gather, each weight's shard is cast before the gather with a scale
+    reduced across the shards: without precomputed scales one small all-reduce per weight per
+    gather on FSDP's stream; with them one for all weights after the optimizer step. Without the
+    float8 all-gather neither (the bf16 gather carries twice the bytes)."""
+    from core.dryrun.comms import mesh_links
+    from core.dryrun.fsdp_cost import BLOCK_LINEARS, amax_reduces, fsdp_times
+    from core.dryrun.memory import stage_params
+    from core.models.args import model_args
+
+    base = ("training.local_batch_size=1", "float8.enabled=true", "float8.enable_fsdp_float8_all_gather=true")
+    pre = cfg_with("llama3_8b/table1/8gpu_fsdp_compile", *base, "float8.precompute_float8_dynamic_scale_for_fsdp=true")
+    each = cfg_with("llama3_8b/table1/8gpu_fsdp_compile", *base)
+    bf16_ag = cfg_with("llama3_8b/table1/8gpu_fsdp_compile", "training.local_batch_size=1", "float8.enabled=true")
+    assert (amax_reduces(pre), amax_reduces(each), amax_reduces(bf16_ag)) == (0, BLOCK_LINEARS, 0)
+    spec = G.load_spec(G.DEFAULT_GPU)
+    links = mesh_links(spec, {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1}, ("dp_shard",))
+    st = stage_params(model_args(pre, None), 32, True, True, 1)
+    t = {name: fsdp_times(c, links, True, 8, st) for name, c in (("pre", pre), ("each", each), ("bf16", bf16_ag))}
+    assert t["each"]["ag_block"] - t["pre"]["ag_block"] == pytest.approx(
+        BLOCK_LINEARS * links["fsdp"].small_all_reduce()
+    )
+    assert t["bf16"]["ag_block"] > t["pre"]["ag_block"]  # twice the linears' bytes
+    b = {
+        n: predict(c, G.DEFAULT_GPU, memory=NO_MEM)["breakdown"]["optimizer"] for n, c in (("pre", pre), ("each", each))
+    }
+    assert b["pre"] > b["each"]  # the max-norm over the shards after the optimizer step

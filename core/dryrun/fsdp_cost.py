@@ -19,6 +19,19 @@ def fsdp_bytes(cfg, stage: StageParams) -> dict:
     }
 
 
+# Float8 linears in a block (wq, wk, wv, wo, w1, w2, w3).
+BLOCK_LINEARS = 7
+
+
+def amax_reduces(cfg) -> int:
+    """Amax all-reduces on FSDP's stream before a block's float8 all-gather: without precomputed
+    scales each weight's pre-all-gather hook casts its shard with a scale it reduces first
+    (torchao fsdp_utils.py WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather,
+    `reduce_amax=True`); precomputed, one reduction for every weight after the optimizer step
+    (`precompute_float8_dynamic_scale_for_fsdp`, core/dryrun/runtime.py)."""
+    return BLOCK_LINEARS if fp8_all_gather(cfg) and not cfg.float8.precompute_float8_dynamic_scale_for_fsdp else 0
+
+
 def fsdp_times(cfg, links: dict, on: bool, shard: int, stage: StageParams) -> dict:
     """Seconds of a stage's FSDP collectives: the all-gather of a block and of the root
     (embedding, norm, output), their reduce-scatters plus HSDP's all-reduce of the shard (`on`:
@@ -26,7 +39,7 @@ def fsdp_times(cfg, links: dict, on: bool, shard: int, stage: StageParams) -> di
     b = fsdp_bytes(cfg, stage)
     fl, rep = links["fsdp"], links["dp_replicate"]
     return {
-        "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
+        "ag_block": (fl.ring(b["ag_block"]) + amax_reduces(cfg) * fl.small_all_reduce()) if on else 0.0,
         "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
         "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / shard),
         "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / shard),

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds, linear_gemm_shapes
+from core.dryrun.linears import block_linear_seconds, fp8_all_gather, linear_gemm_shapes
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
 from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
@@ -450,7 +450,14 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
     grad_norm = step.links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / step.shard / _Rates(spec).hbm
     acc.comm_add("grad_norm", grad_norm)
-    step_s = fb + grad_norm + optimizer
+    precompute = 0.0
+    if fp8_all_gather(step.cfg) and step.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
+        # torchao's precompute_float8_dynamic_scale_for_fsdp: a foreach max-norm over the local
+        # fp32 shards and one all-reduce for every weight's scale, after the optimizer step.
+        optimizer += 4 * params_local / step.shard / _Rates(spec).hbm
+        precompute = step.links["fsdp"].small_all_reduce()
+        acc.comm_add(step.links["fsdp"].label, precompute)
+    step_s = fb + grad_norm + optimizer + precompute
     tokens_step = t.local_batch_size * t.seq_len * step.accum * step.dims.dp
     tps = tokens_step / step.dims.world_size / step_s
     mfu = flops_per_token(step.args, t.seq_len) * tps / spec.peak_bf16_flops
