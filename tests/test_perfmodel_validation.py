@@ -77,6 +77,10 @@ def test_held_out_figures_are_recorded_and_judged_apart():
     assert s["held_out"]["mean_abs_error_pct"] == pytest.approx(
         sum(abs(f.error_pct) for f in held) / len(held), abs=0.05
     )
+    stored = accuracy.band()  # what the predictions read: every judged figure's kind, top level
+    assert {j["id"] for j in stored["judged"]} == {f.id for f in V.judged(figs)} and stored["held_out"][
+        "figures"
+    ] == len(held)
     eager = cfg_with(T1_COMP, "compile.enabled=false", "float8.enabled=true")
     for cfg, precision in (
         (eager, "Float8 tensorwise"),

@@ -76,6 +76,11 @@ def write(summary: dict) -> None:
     overall, held-out and per-GPU errors, and every judged figure's kind and error (the bands)."""
     lines = ["# Written by `run-recipe dry-run-table --validate` (recipes/report/perf_validation.py): do not edit."]
     lines += [f"{k} = {_value(summary[k])}" for k in KEYS]
+    lines.append("judged = [")  # a top-level key: before the first [table]
+    for j in summary.get("judged", []):
+        fields = ", ".join(f"{k} = {_value(j[k])}" for k in ("id", *KIND_FIELDS, "error_pct", "role"))
+        lines.append(f"  {{ {fields} }},")
+    lines.append("]")
     for name in ("held_out", "memory", "memory_held_out"):
         if summary.get(name):
             lines += _table(name, summary[name], (*KEYS, "within_band"))
@@ -83,11 +88,6 @@ def write(summary: dict) -> None:
         lines += _table(f"gpus.{gpu}", g, GPU_KEYS)
     for gpu, g in sorted(summary.get("outside", {}).items()):
         lines += _table(f"outside.{gpu}", g, OUTSIDE_KEYS)
-    lines += ["", "judged = ["]
-    for j in summary.get("judged", []):
-        fields = ", ".join(f"{k} = {_value(j[k])}" for k in ("id", *KIND_FIELDS, "error_pct", "role"))
-        lines.append(f"  {{ {fields} }},")
-    lines.append("]")
     atomic_write(PATH, "\n".join(lines) + "\n")
     band.cache_clear()
 
