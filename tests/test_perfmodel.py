@@ -418,10 +418,12 @@ def test_goals_against_the_paper():
         assert met[name], name
 
 
-# 13 within 10%: the paper's two 70B rows (897 and 1,010) sit 8-11% above torchtitan's later runs
+# 12 within 10%: the paper's two 70B rows (897 and 1,010) sit 8-11% above torchtitan's later runs
 # of the same layout (829 and 876 in Dec 2024, 809.8 in Jun 2025), and the model, which now
-# prices sequence parallelism's reordering copies (core/dryrun/asynctp.py), predicts 786 and 897.
-MET_ROWS, MET_ROWS_10 = 17, 13
+# prices sequence parallelism's reordering copies (core/dryrun/asynctp.py), predicts 795 and 909;
+# the paper's 8B Float8 row at 8 GPUs (9,409, against 8,532 in the Dec 2024 re-run) is predicted
+# 10.0% low since the precomputed scales' max-norm after the optimizer step is priced (was 9.9%).
+MET_ROWS, MET_ROWS_10 = 17, 12
 MET_EFFECTS = (
     "compile, Table 1 at 8 GPUs (gain %)",
     "compile, Table 1 at 128 GPUs (gain %)",
