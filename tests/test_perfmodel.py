@@ -323,7 +323,9 @@ def test_plan_json(tmp_path):
     ranked = json.loads(res.output)
     assert ranked and all(r["gpu"] == "h100_sxm_80gb" for r in ranked)
     fit = [r for r in ranked if r["fits"] and not r["violations"]]
-    assert fit[0]["tokens_per_sec_per_gpu"] >= 0.97 * max(r["tokens_per_sec_per_gpu"] for r in fit)
+    fastest = max(fit, key=lambda r: r["tokens_per_sec_per_gpu"])
+    band = max(0.03, fastest["error_band_pct"] / 100, fit[0]["error_band_pct"] / 100)  # a tie within the band
+    assert fit[0]["tokens_per_sec_per_gpu"] >= (1 - band) * fastest["tokens_per_sec_per_gpu"]
 
 
 # ------------------------------------------------------------------------------ FLOP count check

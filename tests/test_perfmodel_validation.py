@@ -118,3 +118,32 @@ def test_memory_results_are_the_validation_of_this_model():
     s = V.summary(figs)
     assert s["memory"]["figures"] == len(fresh) >= 60
     assert {"h100_96gb_hbm2e_500w", "h200_141gb"} <= set(s["memory_gpus"])
+
+
+def test_plan_shows_each_candidates_band_and_breaks_no_tie_within_it():
+    """`run-recipe plan` gives each candidate the band of its kind; candidates predicted within
+    their band of the fastest are a tie the model cannot break: they lead, in the rules' order."""
+    import json
+
+    from click.testing import CliRunner
+
+    from core.dryrun import accuracy
+    from recipes.cli import main
+
+    args = ["plan", "--model", "8B", "--gpus", "8", "--local-batch", "2", "--json"]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    ranked = json.loads(res.output)
+    assert accuracy.band()["judged"]
+    assert all(r["error_band_pct"] is not None for r in ranked)
+    fit = [r for r in ranked if r["fits"] and not r["violations"]]
+    top = max(fit, key=lambda r: r["tokens_per_sec_per_gpu"])
+    ties = [
+        r
+        for r in fit
+        if r["tokens_per_sec_per_gpu"]
+        >= top["tokens_per_sec_per_gpu"] * (1 - max(top["error_band_pct"], r["error_band_pct"], 3) / 100)
+    ]
+    assert [r["rank"] for r in ties] == list(range(1, len(ties) + 1))  # the tie leads the ranking
+    assert len(ties) > 1  # FSDP 8 and FSDP 4 x TP 2 within a band of each other
+    assert ranked[0]["layout"] == "FSDP 8"  # the rules, not the model, order a tie: FSDP first
