@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import time
 
@@ -346,7 +347,10 @@ PAPER_SETTINGS = [
     (("8B", 8, 8192, 2), {"dp_shard": 8, "tp": 1, "pp": 1, "cp": 1}),
     (("70B", 256, 8192, 16), {"dp_shard": 32, "tp": 8, "pp": 1, "cp": 1}),
     (("70B", 256, 8192, None), {"dp_shard": 32, "tp": 8, "pp": 1, "cp": 1}),  # FSDP 256 > 128 ranks
-    (("405B", 512, 8192, 32), {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}),
+    # 405B: the rules take the cheapest AC that fits first; compiled op SAC under TP keeps no
+    # reduce-scatter or wo/w2 output (measured, test_a_compiled_block_saves_what_the_accounting_counts),
+    # so at PP 32 (one sequence a microbatch) selective fits, where the paper's PP 8 needs full AC.
+    (("405B", 512, 8192, 32), {"dp_shard": 2, "tp": 8, "pp": 32, "cp": 1}),
     (("8B", 8, 262144, 1), {"dp_shard": 1, "tp": 1, "pp": 1, "cp": 8}),
 ]
 
@@ -361,6 +365,8 @@ def test_advisor_reaches_the_paper_layout(setting, layout):
     # the paper's 405B runs use Float8 with its FSDP all-gather (Tables 3 and 5)
     ranked = candidates(model, gpus, seq, 80.0, lb, float8=model == "405B")
     assert ranked[0].degrees == layout and ranked[0].fits
+    if model == "405B":  # the paper's layout is the first that needs full AC
+        assert next(c for c in ranked if c.ac == "full").degrees == {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}
     heads = {"8B": 8, "70B": 8, "405B": 8}[model]
     assert all(heads % c.degrees["tp"] == 0 and c.degrees["tp"] <= 8 for c in ranked)
 
@@ -398,3 +404,68 @@ def test_plan_table_states_the_memory_it_sizes_with(options, memory):
     assert lines[header - 1].startswith(f"Memory per GPU: {memory}")
     gib = memory.split(" GiB")[0]
     assert f"est. GiB (of {gib})" in lines[header]
+
+
+@pytest.mark.parametrize("ac,autocast", [("op", False), ("none", False), ("none", True)])
+def test_a_compiled_block_saves_what_the_accounting_counts(ac, autocast):
+    """Measured on torch 2.13 (a block compiled, its saved tensors summed): under op SAC (every
+    other matmul) it saves the block input, wq's, wv's, SDPA's and w1's outputs and not w2's (its
+    one reader is the residual add; eager SAC's cache keeps it); without AC the block input and
+    rstd, each matmul's input, q/k/v, SDPA's outputs and w1's and w3's; under autocast (bf16
+    without FSDP) the block input stays fp32 and each matmul saves its bf16 cast of the weight."""
+    import torch
+
+    from core.models.args import ModelArgs
+    from core.models.llama3 import TransformerBlock, precompute_freqs_cis
+    from core.toggles.activation_checkpoint import wrap_block
+
+    args = ModelArgs(
+        dim=256, n_layers=1, n_heads=4, n_kv_heads=1, multiple_of=256, ffn_dim_multiplier=1.3, max_seq_len=512
+    )
+    T = 512
+    block = TransformerBlock(0, args)
+    block.init_weights()
+    if not autocast:
+        block = block.to(torch.bfloat16)
+    fc = precompute_freqs_cis(args)[:T]
+    fn = torch.compile(wrap_block(block, ac, save_every_other_mm=True) if ac != "none" else block)
+    x = torch.randn(1, T, args.dim, dtype=torch.float32 if autocast else torch.bfloat16, requires_grad=True)
+    cast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
+    with cast():
+        y = fn(x, fc)
+    y.float().sum().backward()  # compile first
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    saved, weights = {}, {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and not t.is_complex():
+            (weights if tuple(t.shape) in shapes else saved)[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast():
+        fn(x, fc)
+    dp = ["parallelism.dp_shard=1"] if autocast else []
+    cfg = small_cfg(
+        "model.ffn_dim_multiplier=1.3",
+        "model.multiple_of=256",
+        "model.dim=256",
+        "model.n_heads=4",
+        "model.n_kv_heads=1",
+        "training.seq_len=512",
+        "training.local_batch_size=1",
+        f'activation_checkpoint.mode="{"selective" if ac == "op" else ac}"',
+        "activation_checkpoint.save_every_other_mm=true",
+        "compile.enabled=true",
+        *dp,
+        world=1 if autocast else 2,
+    )
+    s = A.shapes(cfg)
+    assert (s.d, s.q, s.kv, s.f, s.res) == (args.dim, 256, 64, block.feed_forward.w1.out_features, 4 if autocast else 2)
+    counted = A._sac_op_saved(s, True, compiled=True) if ac == "op" else A._noac_saved(s, compiled=True)
+    assert sum(saved.values()) == sum(counted.values())
+    linear_weights = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    assert sum(weights.values()) == (2 * linear_weights if autocast else 0)  # autocast's bf16 casts
+    if ac == "op":
+        assert sum(A._sac_op_saved(s, True).values()) - sum(counted.values()) == T * 2 * args.dim  # w2's output

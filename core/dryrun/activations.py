@@ -35,6 +35,7 @@ class Shapes:
     cp: int
     tp: int
     act: int  # bytes of an activation element (2: bf16 compute, 4: fp32)
+    res: int  # bytes of an element of the residual stream (4 under autocast: bf16 without FSDP)
     lin_in: int  # bytes of a saved, TP-gathered linear input (1 with float8 TP styles)
 
 
@@ -55,6 +56,9 @@ def shapes(cfg) -> Shapes:
     mb = t.local_batch_size // microbatches(cfg)
     vocab = a.vocab_size // tp if (tp > 1 and p.loss_parallel) else a.vocab_size
     act = 2 if t.mixed_precision_param == "bfloat16" else 4
+    # Without FSDP, bf16 runs under autocast (core/step.py, core/parallel/pipeline.py), which
+    # leaves the residual additions in fp32.
+    autocast = act == 2 and p.dp_replicate * p.dp_shard * p.cp == 1
     float8_tp = tp > 1 and cfg.float8.enabled and cfg.float8.recipe == "tensorwise"
     return Shapes(
         d=a.dim,
@@ -69,6 +73,7 @@ def shapes(cfg) -> Shapes:
         cp=cp,
         tp=tp,
         act=act,
+        res=4 if autocast else act,
         lin_in=1 if float8_tp else act,
     )
 
@@ -83,9 +88,10 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     normalised bf16 output; the linears keep their input (under SP: the all-gathered
     full-sequence input); RoPE keeps nothing (its rotation table needs no gradient); repeat_kv
     materialises expanded k and v, which SDPA keeps with q, its output and the log-sum-exp;
-    SwiGLU keeps w1's and w3's outputs, the SiLU output and the product. Compiled (inductor's min-cut
-    partitioner), pointwise work is recomputed in backward: it keeps the norm inputs, the matmul
-    inputs it cannot cheaply rebuild, q/k/v, attention output + LSE, and w1/w3 outputs.
+    SwiGLU keeps w1's and w3's outputs, the SiLU output and the product. Compiled (measured on
+    torch 2.13, tests/test_estimate.py): the block input and the norms' rstd, each matmul's input
+    (the two normed activations, SDPA's output copied for wo, SiLU x w3 for w2), q/k/v, SDPA's
+    output and LSE, and w1's and w3's outputs; the rest is recomputed.
     """
     T, a = s.tokens, s.act
     sp_T = T * s.sp
@@ -93,8 +99,8 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     lin_in = s.lin_in if s.tp > 1 else a
     if compiled:
         return {
-            "norm_inputs": 2 * sp_T * a * s.d + 2 * sp_T * 4,
-            "linear_inputs": 2 * T * lin_in * s.d if s.tp > 1 else 0.0,
+            "block_input": sp_T * s.res * s.d + 2 * sp_T * 4,
+            "linear_inputs": 2 * T * lin_in * s.d + T * a * s.q + T * a * s.f,
             "qkv": T * a * (s.q + 2 * s.kv),
             "attention_out": T * (a * s.q + 4 * s.heads),
             "ffn_hidden": 2 * T * a * s.f,
@@ -108,22 +114,29 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
     }
 
 
-def _sac_op_saved(s: Shapes, every_other_mm: bool) -> dict[str, float]:
+def _sac_op_saved(s: Shapes, every_other_mm: bool, compiled: bool = False) -> dict[str, float]:
     """Selective op AC (core/toggles/activation_checkpoint.py SAVE_OPS): the block input, every
     matmul output (or every second one, torchtitan's variant), SDPA's outputs and, under TP, the
-    reduce-scatter outputs; everything else is recomputed."""
+    reduce-scatter outputs; everything else is recomputed.
+
+    Eager, the policy's cache keeps every output it saves until the block's recompute. Compiled,
+    AOTAutograd saves only what backward reads: not the outputs of wo and w2 (and of their TP
+    reduce-scatters), whose one reader is the residual add (measured: a compiled block on torch
+    2.13 saves x, wq's, wv's, SDPA's and w1's outputs and no w2 output)."""
     T, a = s.tokens, s.act
     sp_T = T * s.sp
     row_out = T * a * s.d  # wo / w2 matmul outputs (under TP: the partial sums before reduce-scatter)
-    mms = [T * a * s.q, T * a * s.kv, T * a * s.kv, row_out, T * a * s.f, T * a * s.f, row_out]
+    mms: list[float] = [T * a * s.q, T * a * s.kv, T * a * s.kv, row_out, T * a * s.f, T * a * s.f, row_out]
+    if compiled:
+        mms[3] = mms[6] = 0.0
     if every_other_mm:
         mms = mms[0::2]
     out = {
-        "block_input": sp_T * a * s.d,
+        "block_input": sp_T * s.res * s.d,
         "matmul_outputs": float(sum(mms)),
         "attention_out": T * (a * s.q + 4 * s.heads),
     }
-    if s.tp > 1:
+    if s.tp > 1 and not compiled:
         out["reduce_scatter_outputs"] = 2 * sp_T * a * s.d
     return out
 
@@ -141,16 +154,19 @@ def _cp_attention_work(s: Shapes, backward: bool) -> float:
     return gathered + (9 if backward else 3) * 4 * s.tokens * s.q
 
 
-def layer_memory(cfg, s: Shapes | None = None) -> dict:
+def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dict:
     """Saved bytes of one block after its forward (per microbatch) and the extra working set
-    while one block runs forward and while it recomputes + runs backward."""
+    while one block runs forward and while it recomputes + runs backward. `extra`: what the
+    Float8 linears add ({"saved": {part: bytes}, "work": bytes}, core/dryrun/linears.py
+    `float8_memory`)."""
     s = s or shapes(cfg)
+    extra = extra or {"saved": {}, "work": 0.0}
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enabled
     noac = _noac_saved(s, compiled)
     noac_total = sum(noac.values())
     T, a = s.tokens, s.act
-    block_input = T * s.sp * a * s.d
+    block_input = T * s.sp * s.res * s.d
     # Of the saved bytes, the block input itself (under PP a stage's first block saves the
     # schedule's receive buffer, which pp_buffers already counts): checkpointed blocks and
     # inductor's graphs keep it; eager autograd keeps the norm's fp32 upcast instead.
@@ -160,12 +176,13 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
     elif ac.mode == "full":
         saved, input_saved = {"block_input": block_input}, block_input
     elif ac.selective_ac_option == "op":
-        saved = _sac_op_saved(s, every_other_mm=getattr(ac, "save_every_other_mm", False))
+        saved = _sac_op_saved(s, getattr(ac, "save_every_other_mm", False), compiled)
         input_saved = block_input
     else:  # every k-th block fully checkpointed: average over the blocks
         k = int(ac.selective_ac_option)
         saved = {"block_input_or_all": ((k - 1) * noac_total + block_input) / k}
         input_saved = ((k - 1) * noac_input + block_input) / k
+    saved = {**saved, **{k: v for k, v in extra["saved"].items() if v}}
     saved_total = sum(saved.values())
     # Working set beyond what is saved (checked against torch's MemTracker in
     # tests/test_estimate.py). Forward, at the FFN: the all-gathered input and the partial output
@@ -181,7 +198,7 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
     ffn_fwd = (1 if compiled else 3) * hidden + io
     attn_fwd = io + _cp_attention_work(s, backward=False)
     recompute = max(0.0, noac_total - saved_total) if ac.mode != "none" else 0.0
-    ffn_part = noac["ffn_hidden"] + (noac.get("norm", 0) + noac.get("norm_inputs", 0) + noac["linear_inputs"]) / 2
+    ffn_part = noac["ffn_hidden"] + (noac.get("norm", 0) + noac.get("block_input", 0) + noac["linear_inputs"]) / 2
     ffn_bwd = recompute + (1 if compiled else 2) * hidden + full_seq
     if cfg.float8.enabled:
         # torchao's float8 backward: torch._scaled_mm takes row-major x column-major operands, so
@@ -203,12 +220,12 @@ def layer_memory(cfg, s: Shapes | None = None) -> dict:
         "saved_parts": saved,
         "no_ac_saved": noac_total,
         "input_saved": input_saved,
-        "fwd_work": max(ffn_fwd, attn_fwd),
-        "bwd_work": max(ffn_bwd, attn_bwd),
+        "fwd_work": max(ffn_fwd, attn_fwd) + extra["work"],
+        "bwd_work": max(ffn_bwd, attn_bwd) + extra["work"],
     }
 
 
-def head_memory(cfg, s: Shapes | None = None) -> dict:
+def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> dict:
     """The final norm + output projection + cross-entropy of the last stage (bytes per
     microbatch): what stays saved after forward and the extra working set of the loss.
 
@@ -220,9 +237,25 @@ def head_memory(cfg, s: Shapes | None = None) -> dict:
     real tensors (tests/test_estimate.py checks it; under FakeTensorMode the tracker also counts
     the global-shape tensors of DTensor's sharding propagation in the loss-parallel handlers, 8
     bytes per logit per TP rank, which no GPU holds).
+
+    `loss_compiled` (torchtitan's compiled loss, core/dryrun/stack.py): the model returns bf16
+    logits and one fused kernel computes the loss from them, keeping them (2 bytes a logit) and
+    each row's log-sum-exp for backward, which writes their bf16 gradient once: no fp32 copy, no
+    log-softmax output.
     """
     s = s or shapes(cfg)
     T, a, V = s.tokens, s.act, s.vocab
+    if loss_compiled:
+        norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d
+        return {
+            "saved": norm_saved + a * T * V + 4 * T,
+            "norm_saved": norm_saved,
+            "log_softmax": 4 * T,
+            "loss_fwd_work": 0.0,
+            "loss_bwd_work": a * T * V,
+            "logits": a * T * V,
+            "logits_grad": T * V * a,
+        }
     lp = 4 if (s.tp > 1 and cfg.parallelism.loss_parallel) else 0
     norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d  # + the projection's input
     lsm = 4 * T * V

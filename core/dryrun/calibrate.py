@@ -1,4 +1,4 @@
-"""The performance model's two fitted constants, refitted: `run-recipe dry-run-table --calibrate`
+"""The performance model's three fitted constants, refitted: `run-recipe dry-run-table --calibrate`
 (which hands this module the configurations and measured figures: core never imports the
 recipes). Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited
 measurement; the values are written into the spec files by hand, with a note naming the figure.
@@ -11,7 +11,9 @@ H100 / H200 parts). Neither is published for these systems:
   (llama3_8b/table1/8gpu_fsdp_compile: no exposed communication, and the paper (6,674) and its
   Dec 2024 re-run (6,667) agree);
 - the 700 W Hopper parts (h100_sxm_80gb and h200_141gb share it: the same die at the same power
-  limit), fitted on one public H100 SXM figure (results/perf_validation.md names it).
+  limit), fitted on one public H100 SXM figure (results/perf_validation.md names it);
+- the 400 W A100 SXM (a100_sxm_80gb), fitted on torchtitan's 1,000-step run on one node of 8
+  (pytorch/torchtitan PR 355: no network between nodes, the config pinned, steady readings).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FITS = (
         "llama3_8b/table1/8gpu_fsdp_compile",
     ),
     Fit("clock_fraction", ("h100_sxm_80gb", "h200_141gb"), "aws-p5/8b-32-eager", "llama3_8b/table1/128gpu_fsdp"),
+    Fit("clock_fraction", ("a100_sxm_80gb",), "tt355/8b-8-a100-eager", "llama3_8b/table1/8gpu_fsdp"),
 )
 
 
@@ -56,8 +59,9 @@ def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:
     return (lo + hi) / 2
 
 
-def fit(targets: dict[str, tuple[object, float]]) -> dict[str, float]:
-    """targets: for each fitted figure id, (its validated config, its measured TPS/GPU). Each
+def fit(targets: dict[str, tuple[object, float, object]]) -> dict[str, float]:
+    """targets: for each fitted figure id, (its validated config, its measured TPS/GPU, the
+    software stack that ran it, core/dryrun/stack.py). Each
     constant is fitted on its figure alone (a clock changes only its own specs); returns them by
     figure id, rounded as stored."""
     from core.dryrun.gpuspec import load_spec
@@ -66,12 +70,12 @@ def fit(targets: dict[str, tuple[object, float]]) -> dict[str, float]:
     mem = {"allocated_peak_gib": 0.0}  # memory is not what is fitted
     out = {}
     for f in FITS:
-        cfg, measured = targets[f.figure]
+        cfg, measured, stack = targets[f.figure]
         spec = load_spec(f.specs[0])
 
-        def err(x, f=f, cfg=cfg, measured=measured, spec=spec):
+        def err(x, f=f, cfg=cfg, measured=measured, spec=spec, stack=stack):
             s = dataclasses.replace(spec, **{f.field: x})
-            return predict(cfg, s, memory=mem)["tokens_per_sec_per_gpu"] - measured
+            return predict(cfg, s, memory=mem, stack=stack)["tokens_per_sec_per_gpu"] - measured
 
         out[f.figure] = round(_bisect(err, 0.05, 1.0), 3)
     return out

@@ -6,7 +6,9 @@ The format (docs/dry-run.md, "The GPU spec format"; `run-recipe gpu-spec --measu
 same):
 
 - [compute], [memory], [links], [efficiency]: one positive number per field, its source in a
-  comment; efficiencies are fractions of the datasheet figure beside them (<= 1);
+  comment; efficiencies are fractions of the datasheet figure beside them (<= 1). A part with
+  no FP8 tensor cores leaves out `compute.peak_fp8_flops` (and has no float8 [gemm] table):
+  Float8 is refused on it; `compute.compute_capability` ("8.0") names the CUDA architecture;
 - [gemm]: for each GEMM kernel family (`bf16`, `fp8_tensorwise`, `fp8_rowwise`) a small table
   of measured points `{m, n, k, efficiency, source, measured?}`: the fraction of the dtype's
   datasheet peak a GEMM of that shape reached. A family the spec has no table for is a recipe
@@ -53,6 +55,7 @@ FIELDS = {
     "efficiency": ("flash_attention_fwd", "flash_attention_bwd", "hbm", "nccl_nvlink", "nccl_rdma"),
 }
 GEMM_KINDS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
+OPTIONAL = {"compute.peak_fp8_flops"}  # absent on a part without FP8 tensor cores (0.0: none)
 GEMM_POINT_DIMS = ("m", "n", "k")
 MEASURED_KEYS = ("date", "device", "torch", "driver")  # the [measured] table's strings
 LINEAR_TABLE_RECIPES = ("rowwise",)  # recipes a [float8_linear] table may describe
@@ -91,7 +94,7 @@ class GPUSpec:
     name: str
     description: str
     peak_bf16_flops: float
-    peak_fp8_flops: float
+    peak_fp8_flops: float  # 0.0: the part has no FP8 tensor cores
     clock_fraction: float
     kernel_overhead_s: float
     hbm_bandwidth: float
@@ -113,6 +116,7 @@ class GPUSpec:
     measured: str = ""  # a measured spec: "<date> on <device>, torch <version>, <driver>"
     # (recipe, measured whole-linear speedups) for each recipe the spec has a table for
     float8_linear: tuple[tuple[str, LinearSpeedups], ...] = ()
+    compute_capability: str = ""  # CUDA's, e.g. "9.0" (optional)
 
     def gemm_points(self, kind: str) -> tuple[GemmPoint, ...]:
         return dict(self.gemm).get(kind, ())
@@ -226,6 +230,9 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
             raise SpecError(f"{where}: missing section [{section}]")
         for n in names:
             key = f"{section}.{n}"
+            if n not in sec and key in OPTIONAL:
+                values[n] = 0.0
+                continue
             if n not in sec:
                 raise SpecError(f"{where}: missing field {key}")
             v = sec[n]
@@ -243,6 +250,12 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: missing field name")
     gemm = _gemm_tables(data, where)
+    fp8 = [k for k, _ in gemm if k != "bf16"]
+    if fp8 and not values["peak_fp8_flops"]:
+        raise SpecError(f"{where}: field gemm.{fp8[0]} needs compute.peak_fp8_flops (the FP8 peak it is a fraction of)")
+    cc = data["compute"].get("compute_capability", "")
+    if not isinstance(cc, str) or (cc and not re.fullmatch(r"\d+\.\d+", cc)):
+        raise SpecError(f'{where}: field compute.compute_capability must be CUDA\'s, e.g. "9.0", got {cc!r}')
     return GPUSpec(
         name=name,
         description=str(data.get("description", "")),
@@ -250,6 +263,7 @@ def parse_spec(data: dict, where: str) -> GPUSpec:
         gemm=gemm,
         measured=_measured(data, where, {k for k, _ in gemm}),
         float8_linear=_linear_tables(data, where),
+        compute_capability=cc,
         **values,
     )
 

@@ -20,14 +20,18 @@ microbenchmark at the linear's shape both ways, and the time by which its own Fl
 the measured ratio is added to the linear's GEMMs (`measured_excess`). Torchao's H100 grid
 shows rowwise's small-N linears at half bf16's speed, which no roofline term here explains.
 
-Cast traffic per element, from torchao's float8 roofline model (torchao/testing/training/
+Cast traffic per element, compiled, from torchao's float8 roofline model (torchao/testing/training/
 roofline_utils.py `get_tensor_memory_traffic_ovhd_s`): a tensor's amax pass can fuse into the op
-that produced it when the block is compiled (its `fuse_with_prev`); a weight's cannot (FSDP's
-all-gather produces it). The three linears reading one input (wq, wk, wv; w1, w3) cast it once:
-AOTAutograd's common-subexpression elimination merges the identical casts of a compiled block.
-With Float8's TP styles (tensorwise) an input or output gradient is cast on its sequence shard
-before the float8 all-gather, then transposed once gathered; with the FSDP float8 all-gather a
-weight arrives cast, leaving its transpose.
+that produced it (its `fuse_with_prev`); a weight's cannot (FSDP's all-gather produces it). The
+three linears reading one input (wq, wk, wv; w1, w3) cast it once: AOTAutograd's
+common-subexpression elimination merges the identical casts of a compiled block. With Float8's
+TP styles (tensorwise) an input or output gradient is cast on its sequence shard before the
+float8 all-gather, then transposed once gathered; with the FSDP float8 all-gather a weight
+arrives cast, leaving its transpose.
+
+Eager, nothing fuses and nothing is shared: each linear casts its own input, weight and output
+gradient, and each cast is the separate kernels torchao's code runs (`EAGER_CAST_BYTES`), plus
+the fp8 copies `_scaled_mm`'s layout needs in backward (`eager_cast_bytes`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from core.dryrun.activations import Shapes, shapes
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import GPUSpec, LinearSpeedups
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
 
 RECIPES = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -58,6 +63,28 @@ ACT_CAST = {
 }
 # A weight's casts (forward, backward): never fused (FSDP's all-gather produces it).
 WEIGHT_CAST = {"tensorwise": (5, 3), "rowwise": (3, 7), "rowwise_with_gw_hp": (3, 3)}
+# One eager cast of a bf16 tensor, HBM bytes per element and kernels, as torchao runs it
+# (pytorch/ao torchao/float8 at 8c81863ba, the code of the Jan-Mar 2025 runs; unchanged in 0.18):
+# the amax, `torch.max(torch.abs(x))` (float8_utils.py tensor_to_amax: abs reads 2 and writes 2,
+# max reads 2), four scalar kernels to a scale (amax_to_scale), then the cast,
+# `x.to(torch.float32) * scale` (float8_tensor.py _ToFloat8ConstrFunc: 2 + 4, 4 + 4) and
+# `to_fp8_saturated`: clamp (4 + 4), `.to(float8)` (4 + 1).
+EAGER_CAST_BYTES = 33
+EAGER_CAST_KERNELS = 10
+# Eager casts per linear: (input, weight) forward; (output gradient, input, weight) backward
+# (torchao float8_linear.py matmul_with_hp_or_float8_args: backward casts the output gradient for
+# grad input and again along the other dimension for grad weight, and recasts the saved bf16
+# input; tensorwise reuses the saved fp8 weight; rowwise scales it along its other dimension;
+# with a high-precision grad weight neither the input nor the second gradient cast runs).
+EAGER_CASTS = {"tensorwise": (1, 1, 2, 1, 0), "rowwise": (1, 1, 2, 1, 1), "rowwise_with_gw_hp": (1, 1, 1, 0, 1)}
+# ... and the operands `_scaled_mm` needs in the other layout, copied in fp8 (float8_ops.py
+# preprocess_addmm): the saved weight's transpose for grad input; for an fp8 grad weight, the
+# output gradient's and the input's.
+EAGER_TRANSPOSED = {
+    "tensorwise": ("weight", "grad", "input"),
+    "rowwise": ("weight", "grad", "input"),
+    "rowwise_with_gw_hp": ("weight",),
+}
 RESCALE_BYTES = 4  # the rescaling kernel after a slow-accumulation rowwise GEMM reads and writes bf16
 FP8_TRANSPOSE_BYTES = 2  # a gathered fp8 tensor copied to the other layout
 # The microbenchmark behind a [float8_linear] grid (torchao benchmarks/float8/float8_roofline.py):
@@ -112,10 +139,22 @@ def model_gemms(cfg) -> list[GemmShape]:
     return sorted(set(out))
 
 
-def recipe_of(cfg) -> str:
-    """The precision recipe of the block linears; ValueError for one the model has no costs for."""
+class NoFloat8(ValueError):
+    """Float8 on a GPU with no FP8 tensor cores (a spec without compute.peak_fp8_flops)."""
+
+
+def recipe_of(cfg, spec: GPUSpec | None = None) -> str:
+    """The precision recipe of the block linears; ValueError for one the model has no costs for,
+    NoFloat8 for Float8 on a GPU spec without FP8 tensor cores."""
     if not cfg.float8.enabled:
         return "bf16"
+    if spec is not None and not spec.peak_fp8_flops:
+        cc = f" (compute capability {spec.compute_capability})" if spec.compute_capability else ""
+        raise NoFloat8(
+            f"float8.enabled: GPU spec {spec.name}{cc} has no FP8 tensor cores, so there is no float8 matmul "
+            "to run or price: torchao's Float8 training needs compute capability 8.9 or later (Ada, Hopper, "
+            "Blackwell; core/toggles/float8.py)"
+        )
     r = cfg.float8.recipe
     if r not in GEMMS:
         raise ValueError(f"float8.recipe={r!r}: the performance model has no costs for it (known: {RECIPES[1:]})")
@@ -203,16 +242,45 @@ def rescale_work(tokens: float, k: float, n: float, recipe: str) -> tuple[float,
     return 0.0, 0
 
 
+def eager_cast_bytes(s: Shapes, recipe: str, fp8_weights: bool, shard: int) -> tuple:
+    """Eager: (forward, backward) HBM bytes of Float8's casts for one block and one microbatch,
+    and the kernels they launch: every linear's own casts (EAGER_CASTS, EAGER_CAST_BYTES each),
+    the fp8 transposes backward copies, the rescales; a weight the float8 all-gather brought is
+    cast on its shard instead."""
+    T, per = s.tokens, EAGER_CAST_BYTES
+    fwd = bwd = 0.0
+    kernels = [0, 0]
+    for lin in block_linears(s):
+        if not converted(lin):
+            continue
+        inp, wgt, grad_b, inp_b, wgt_b = EAGER_CASTS[recipe]
+        w, x, g = lin.k * lin.n, T * lin.k, T * lin.n
+        if fp8_weights:
+            wgt, wgt_b = 0, 0
+            fwd += w * per / shard
+        fwd += per * (inp * x + wgt * w)
+        sizes = {"weight": w, "grad": g, "input": x}
+        bwd += per * (grad_b * g + inp_b * x + wgt_b * w)
+        bwd += FP8_TRANSPOSE_BYTES * sum(sizes[t] for t in EAGER_TRANSPOSED[recipe])
+        rescale, extra = rescale_work(T, lin.k, lin.n, recipe)
+        bwd += rescale
+        kernels[0] += EAGER_CAST_KERNELS * (inp + wgt + (1 if fp8_weights else 0))
+        kernels[1] += EAGER_CAST_KERNELS * (grad_b + inp_b + wgt_b) + len(EAGER_TRANSPOSED[recipe]) + extra
+    return fwd, bwd, tuple(kernels)
+
+
 def cast_bytes(s: Shapes, recipe: str, compiled: bool, tp_fp8: bool, fp8_weights: bool, shard: int) -> tuple:
     """(forward, backward) HBM bytes of Float8's casts for one block and one microbatch, and the
-    number of extra kernels (rescales) backward launches."""
+    extra kernels (forward, backward) they launch (compiled: backward's rescales)."""
     if recipe == "bf16":
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, (0, 0)
+    if not compiled:
+        return eager_cast_bytes(s, recipe, fp8_weights, shard)
     T = s.tokens
     fwd = bwd = 0.0
     kernels = 0
     seen = set()
-    fused = 1 if compiled else 0
+    fused = 1  # compiled: an activation's amax pass fuses into its producer
     for lin in block_linears(s):
         if not converted(lin):
             continue
@@ -232,25 +300,66 @@ def cast_bytes(s: Shapes, recipe: str, compiled: bool, tp_fp8: bool, fp8_weights
         bwd += T * lin.n * (per / s.tp + FP8_TRANSPOSE_BYTES if gathered else per)
         rescale, extra = rescale_work(T, lin.k, lin.n, recipe)
         bwd, kernels = bwd + rescale, kernels + extra
-    return fwd, bwd, kernels
+    return fwd, bwd, (0, kernels)
+
+
+def float8_memory(cfg, s: Shapes, stack: Stack = THIS_TRAINER) -> dict:
+    """What Float8's linears add to one block's memory per microbatch (core/dryrun/activations.py
+    `layer_memory`'s `extra`): saved bytes by part, and the working set of a cast.
+
+    Eager (torchao float8_linear.py): each linear saves its fp8 cast of the unsharded weight for
+    grad input (`ctx.save_for_backward(input_hp, weight_hp_t)`; torchao's own config comment:
+    "the entire fp8_weight, instead of the sharded weight may be saved"), kept to backward where
+    nothing recomputes the block (a weight the float8 all-gather brought is FSDP's own, freed by
+    its reshard); a cast holds its fp32 upcast and the scaled copy at once (`x.to(float32) *
+    scale`). With `stack.sac_saves_abs` (torchtitan before PR 820), op SAC keeps abs() of every
+    cast's input, eager, or of the weights, compiled rowwise."""
+    recipe = recipe_of(cfg)
+    if recipe == "bf16":
+        return {"saved": {}, "work": 0.0}
+    ac, compiled = cfg.activation_checkpoint, cfg.compile.enabled
+    lins = [lin for lin in block_linears(s) if converted(lin)]
+    weights = sum(lin.k * lin.n for lin in lins)
+    saved = {}
+    if not compiled and not fp8_all_gather(cfg):
+        kept = {"none": 1.0}.get(ac.mode, 0.0)
+        if ac.mode == "selective" and ac.selective_ac_option != "op":
+            kept = 1 - 1 / int(ac.selective_ac_option)  # the blocks not checkpointed
+        if kept:
+            saved["float8_weights"] = kept * weights
+    if stack.sac_saves_abs and ac.mode == "selective" and ac.selective_ac_option == "op":
+        if not compiled:
+            saved["float8_abs"] = 2.0 * (weights + sum(s.tokens * lin.k for lin in lins))
+        elif recipe == "rowwise":
+            saved["float8_abs"] = 2.0 * weights
+    work = 0.0 if compiled else 8.0 * s.tokens * max(max(lin.k, lin.n) for lin in lins)
+    return {"saved": saved, "work": work}
+
+
+def fp8_all_gather(cfg) -> bool:
+    """FSDP gathers the block linears' weights in float8: tensorwise with the option on, and FSDP
+    on; the dry run's copy of core/toggles/float8.py `fp8_all_gather_active` (which imports
+    torch), tested equal."""
+    p, f8 = cfg.parallelism, cfg.float8
+    fsdp = p.dp_replicate * max(p.dp_shard, 1) * p.cp > 1
+    return f8.enabled and f8.recipe == "tensorwise" and f8.enable_fsdp_float8_all_gather and fsdp
 
 
 def block_linear_seconds(spec: GPUSpec, s: Shapes, cfg) -> dict:
     """One block, one microbatch: GEMM seconds forward / backward, cast seconds forward /
     backward, and each linear's (forward, backward) GEMM seconds."""
-    recipe = recipe_of(cfg)
+    recipe = recipe_of(cfg, spec)
     per = {lin.name: gemms(spec, s.tokens, lin, recipe) for lin in block_linears(s)}
     tp_fp8 = s.tp > 1 and recipe == "tensorwise"
-    f8 = cfg.float8
-    fp8_weights = recipe == "tensorwise" and f8.enable_fsdp_float8_all_gather
     shard = max(1, cfg.parallelism.dp_shard * cfg.parallelism.cp)
-    fb, bb, kernels = cast_bytes(s, recipe, cfg.compile.enabled, tp_fp8, fp8_weights, shard)
+    fp8_weights = fp8_all_gather(cfg)
+    fb, bb, (kf, kb) = cast_bytes(s, recipe, cfg.compile.enabled, tp_fp8, fp8_weights, shard)
     hbm = spec.hbm_bandwidth * spec.hbm
     return {
         "recipe": recipe,
         "fwd_mm": sum(f for f, _ in per.values()),
         "bwd_mm": sum(b for _, b in per.values()),
-        "fwd_cast": fb / hbm,
-        "bwd_cast": bb / hbm + kernels * spec.kernel_overhead_s,
+        "fwd_cast": fb / hbm + kf * spec.kernel_overhead_s,
+        "bwd_cast": bb / hbm + kb * spec.kernel_overhead_s,
         "per_linear": per,
     }

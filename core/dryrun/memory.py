@@ -24,7 +24,10 @@ import functools
 from dataclasses import dataclass
 
 from core.dryrun.activations import Shapes, head_memory, layer_memory, microbatches, shapes
+from core.dryrun.linears import float8_memory, fp8_all_gather
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
+from core.parallel.reshard import reshard_after_forward
 from core.parallel.stages import plan_stages, stage_ids_for_rank, stages_per_rank
 
 GIB = 2**30
@@ -115,7 +118,7 @@ def _unsharded_block_bytes(cfg, stage: StageParams) -> float:
     """One block's parameters all-gathered for compute: bf16 (or fp32), float8 linears with
     float8 all-gather."""
     act = 2 if cfg.training.mixed_precision_param == "bfloat16" else 4
-    f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
+    f8 = fp8_all_gather(cfg)
     return stage.block_linear * (1 if f8 else act) + (stage.block - stage.block_linear) * act
 
 
@@ -127,8 +130,25 @@ def _grad_bytes(cfg) -> tuple[int, int]:
     return comp, red
 
 
-def _simulate_flat(cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool) -> _Timeline:
-    """No pipeline: forward of every block, loss, backward of every block, optimizer."""
+def _reshard(cfg, stage: StageParams, stack: Stack, fsdp: bool) -> tuple[list[bool], bool]:
+    """Without PP: whether each block's and the root's compute copy of its parameters is freed
+    after forward. With FSDP, its reshard policy (core/parallel/reshard.py; torch before
+    pytorch#154704 kept the root gathered whatever it was asked, `stack`). Without FSDP the copy
+    is autocast's bf16 cast, which each matmul saves for backward unless the block recomputes
+    (without AC: kept to backward, eager and compiled alike; measured, tests/test_estimate.py)."""
+    if not fsdp:
+        kept = cfg.activation_checkpoint.mode == "none"
+        return [not kept] * stage.layers, not kept
+    blocks, root = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, stage.layers, False)
+    return blocks, root and not stack.root_kept_gathered
+
+
+def _simulate_flat(
+    cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp: bool, stack: Stack = THIS_TRAINER
+) -> _Timeline:
+    """No pipeline: forward of every block, loss, backward of every block, optimizer. A block
+    FSDP reshards after forward is gathered for its forward (the next one prefetched) and again
+    for its backward; one it keeps stays gathered in between (core/parallel/reshard.py)."""
     tl = _Timeline()
     n = stage.total
     tl.add(params=4 * n / shard, optimizer=8 * n / shard)
@@ -141,27 +161,35 @@ def _simulate_flat(cfg, stage: StageParams, lm: dict, hm: dict, shard: int, fsdp
     if not fsdp:
         blk, root = stage.block * act, stage.root * act
     L = stage.layers
-    gathered = 2 * blk + root  # current + prefetched block, root (embedding/output)
+    resharded, root_resharded = _reshard(cfg, stage, stack, fsdp)
     for step in range(max(1, cfg.training.grad_accum_steps)):
+        kept = 0  # blocks that keep their gathered parameters from forward to backward
         for i in range(L):
             tl.add(activations=lm["saved"])
-            tl.peak(f"forward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["fwd_work"])
-        # The root reshards after forward: the loss runs with only the last block kept gathered.
+            here = blk * (1 + (i + 1 < L) + kept) + root  # this block, the next one prefetched, the root
+            tl.peak(f"forward layer {i}", fsdp_unsharded_params=here, working_set=lm["fwd_work"])
+            kept += not resharded[i]
+        held = blk * kept + (0 if root_resharded else root)  # after the root's forward
         tl.add(activations=hm["saved"])
-        tl.peak("loss forward", fsdp_unsharded_params=blk, working_set=hm["loss_fwd_work"])
-        tl.peak("loss backward", fsdp_unsharded_params=blk, working_set=hm["loss_bwd_work"])
+        tl.peak("loss forward", fsdp_unsharded_params=held, working_set=hm["loss_fwd_work"])
+        tl.peak("loss backward", fsdp_unsharded_params=held, working_set=hm["loss_bwd_work"])
         tl.add(activations=-hm["saved"])
         tl.peak(
             "output backward",
-            fsdp_unsharded_params=blk + root,
+            fsdp_unsharded_params=blk * kept + root,
             working_set=hm["logits_grad"] + hm["norm_saved"],
             grad_buffers=comp * stage.root,
         )
         for i in reversed(range(L)):
+            kept -= not resharded[i]  # the blocks before this one that stayed gathered
+            prefetched = i > 0 and resharded[i - 1]
             # The block's gradients as computed, then cast to the reduce dtype for reduce-scatter.
             bufs = stage.block * (comp + (red if red != comp or fsdp else 0))
             tl.peak(
-                f"backward layer {i}", fsdp_unsharded_params=gathered, working_set=lm["bwd_work"], grad_buffers=bufs
+                f"backward layer {i}",
+                fsdp_unsharded_params=blk * (1 + prefetched + kept) + root,
+                working_set=lm["bwd_work"],
+                grad_buffers=bufs,
             )
             tl.add(activations=-lm["saved"])
             if step == 0:
@@ -261,22 +289,24 @@ def schedule_table(schedule: str, pp: int, n_micro: int, spr: int) -> list[list]
     return pipeline_order(schedule, pp, n_micro, spr)
 
 
-def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB) -> dict:
-    """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak."""
+def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB, stack: Stack = THIS_TRAINER) -> dict:
+    """Accounting of the peak memory per rank (GiB): the worst rank's breakdown at its peak;
+    `stack`: the software that ran it, where it differs from this trainer (core/dryrun/stack.py)."""
     from core.parallel.mesh import ParallelDims  # local: keeps `import core.dryrun.memory` torch-free
 
     args = model_args(cfg, None)
     p = cfg.parallelism
     dims = ParallelDims.from_config(p)
     s = shapes(cfg)
-    lm, hm = layer_memory(cfg, s), head_memory(cfg, s)
+    lm = layer_memory(cfg, s, float8_memory(cfg, s, stack))
+    hm = head_memory(cfg, s, stack.loss_compiled and cfg.compile.enabled)
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     placement = rank_stages(cfg)
     n_stages = sum(len(r) for r in placement)
     per_rank = []
     if p.pp == 1:
         stage = stage_params(args, args.n_layers, True, True, p.tp)
-        per_rank.append(_simulate_flat(cfg, stage, lm, hm, shard, dims.fsdp_enabled))
+        per_rank.append(_simulate_flat(cfg, stage, lm, hm, shard, dims.fsdp_enabled, stack))
     else:
         n_micro = microbatches(cfg)
         table = schedule_table(p.pp_schedule, p.pp, n_micro, stages_per_rank(p, args.n_layers))

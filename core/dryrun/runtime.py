@@ -36,6 +36,7 @@ from core.dryrun import accuracy, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
 from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
+from core.dryrun.fsdp_cost import fsdp_copies, fsdp_stream, fsdp_times
 from core.dryrun.gemm import gemm_seconds
 from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
 
@@ -43,9 +44,11 @@ if TYPE_CHECKING:  # type names only: core.parallel imports torch, the model sta
     from core.config import JobConfig
     from core.models.args import ModelArgs
     from core.parallel.mesh import ParallelDims
-from core.dryrun.linears import block_linear_seconds, linear_gemm_shapes
+from core.dryrun.linears import block_linear_seconds, fp8_all_gather, linear_gemm_shapes
 from core.dryrun.memory import StageParams, estimate_memory, rank_stages, schedule_table, stage_params
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
+from core.parallel.reshard import reshard_after_forward
 
 # Flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores).
 FLASH_BWD_OVER_FWD = 2.5
@@ -193,7 +196,7 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
     return {"fwd": fwd, "bwd": bwd, "recompute": rec}
 
 
-def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
+def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int, loss_compiled: bool = False) -> dict:
     """Final norm + output projection (bf16: Float8 filters it) + cross-entropy, one microbatch:
     forward and backward seconds, and the exposed TP part (all-gather of the normed input,
     loss parallel's two scalar-per-token all-reduces; the head is not compiled, so AsyncTP
@@ -204,8 +207,11 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
     f, gi, gw = linear_gemm_shapes(T, V, s.d)
     mm_f = gemm_seconds(spec, *f, "bf16")
     mm_b = gemm_seconds(spec, *gi, "bf16") + gemm_seconds(spec, *gw, "bf16")
-    # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way).
-    ce = 18 * T * V / r.hbm
+    # Cross-entropy: bf16 logits -> fp32 copy -> log-softmax -> NLL (18 bytes per logit each way);
+    # compiled with the model (`loss_compiled`), one kernel reads the bf16 logits (2) and backward
+    # reads them and writes their gradient (4).
+    ce_f, ce_b = (2, 4) if loss_compiled else (18, 18)
+    ce, ce_back = ce_f * T * V / r.hbm, ce_b * T * V / r.hbm
     norm = (8 if cfg.compile.enabled else 42) * T * s.sp * s.d / r.hbm
     tp = 0.0
     if s.tp > 1:
@@ -214,7 +220,7 @@ def head_times(cfg, s: Shapes, spec: GPUSpec, links: dict, vocab: int) -> dict:
             tp += 2 * links["tp"].ring(4 * T * s.tp)
     return {
         "fwd": {"compute": mm_f, "memory_bound": ce + norm + _sp_copy(cfg, s, spec, "ag"), "tp": tp},
-        "bwd": {"compute": mm_b, "memory_bound": ce + 2 * norm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
+        "bwd": {"compute": mm_b, "memory_bound": ce_back + 2 * norm + _sp_copy(cfg, s, spec, "rs"), "tp": tp},
     }
 
 
@@ -245,22 +251,6 @@ class _Acc:
     def comm_add(self, key: str, t: float):
         if t > 0:
             self.comm[key] = self.comm.get(key, 0.0) + t
-
-
-def _fsdp_stream(events: list[tuple[float, float, float]]) -> float:
-    """Compute events with the FSDP stream beside them: event k needs its all-gather a_k, issued
-    when event k-1 starts (one block of prefetch), and issues its reduce-scatter r_k when it
-    ends; the stream runs its collectives in issue order. Returns when the last one finishes."""
-    comm_free = end_prev = 0.0
-    ag_end = comm_free = events[0][1] if events else 0.0
-    for k, (c, _, r) in enumerate(events):
-        start = max(end_prev, ag_end)
-        if k + 1 < len(events):  # the next all-gather is issued now, before this event's reduce-scatter
-            ag_end = comm_free = max(comm_free, start) + events[k + 1][1]
-        end_prev = start + c
-        if r:
-            comm_free = max(comm_free, end_prev) + r
-    return max(end_prev, comm_free)
 
 
 def _stage_costs(blk: dict, head: dict, emb: dict, stage: StageParams) -> dict:
@@ -294,17 +284,6 @@ def _emb_times(cfg, s, spec, links, vocab) -> dict:
     }
 
 
-def _fsdp_bytes(cfg, stage: StageParams) -> dict:
-    f8 = cfg.float8.enabled and cfg.float8.enable_fsdp_float8_all_gather
-    red = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
-    return {
-        "ag_block": stage.block_linear * (1 if f8 else 2) + (stage.block - stage.block_linear) * 2,
-        "ag_root": stage.root * 2,
-        "rs_block": stage.block * red,
-        "rs_root": stage.root * red,
-    }
-
-
 @dataclass(frozen=True)
 class _Step:
     """What every part of the step reads: the config, the model's shapes, the mesh's links, the
@@ -322,9 +301,10 @@ class _Step:
     blk: dict
     head: dict
     emb: dict
+    stack: Stack = THIS_TRAINER
 
 
-def _step_inputs(cfg, spec: GPUSpec) -> _Step:
+def _step_inputs(cfg, spec: GPUSpec, stack: Stack = THIS_TRAINER) -> _Step:
     from core.parallel.mesh import ParallelDims
 
     p = cfg.parallelism
@@ -337,23 +317,9 @@ def _step_inputs(cfg, spec: GPUSpec) -> _Step:
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     accum = max(1, cfg.training.grad_accum_steps)
     blk = block_times(cfg, s, spec, links)
-    head = head_times(cfg, s, spec, links, a.vocab_size)
+    head = head_times(cfg, s, spec, links, a.vocab_size, stack.loss_compiled and cfg.compile.enabled)
     emb = _emb_times(cfg, s, spec, links, a.vocab_size)
-    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb)
-
-
-def _fsdp_times(step: _Step, stage: StageParams) -> dict:
-    """Seconds of a stage's FSDP collectives: the all-gather of a block and of the root
-    (embedding, norm, output), their reduce-scatters plus HSDP's all-reduce of the shard."""
-    b = _fsdp_bytes(step.cfg, stage)
-    fl, rep = step.links["fsdp"], step.links["dp_replicate"]
-    on = step.dims.fsdp_enabled
-    return {
-        "ag_block": fl.ring(b["ag_block"]) if on else 0.0,
-        "ag_root": fl.ring(b["ag_root"]) if on else 0.0,
-        "rs_block": (fl.ring(b["rs_block"]) if on else 0.0) + rep.all_reduce(b["rs_block"] / step.shard),
-        "rs_root": (fl.ring(b["rs_root"]) if on else 0.0) + rep.all_reduce(b["rs_root"] / step.shard),
-    }
+    return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb, stack)
 
 
 def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
@@ -362,20 +328,38 @@ def _flat_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
     forward-backward seconds, the bubble (none) and the parameters the rank holds."""
     a, blk, head, emb = step.args, step.blk, step.head, step.emb
     stage = stage_params(a, a.n_layers, True, True, step.cfg.parallelism.tp)
-    ft = _fsdp_times(step, stage)
+    ft = fsdp_times(step.cfg, step.links, step.dims.fsdp_enabled, step.shard, stage)
     costs = _stage_costs(blk, head, emb, stage)
     blk_f, blk_b = _sum(blk["fwd"]), _sum(blk["bwd"]) + _sum(blk["recompute"])
+    # A block (or the root) FSDP reshards after forward is gathered again for its backward.
+    resharded, root_resharded = reshard_after_forward(
+        step.cfg.parallelism.fsdp_reshard_after_forward, a.n_layers, False
+    )
+    root_resharded = root_resharded and not step.stack.root_kept_gathered
+    cp = fsdp_copies(step.cfg, _Rates(step.spec).hbm, step.dims.fsdp_enabled, stage)
     events = []
     for _ in range(step.accum):
-        events.append((_sum(emb["fwd"]), ft["ag_root"], 0.0))
-        events += [(blk_f, ft["ag_block"], 0.0)] * a.n_layers
-        events.append((_sum(head["fwd"]) + _sum(head["bwd"]), 0.0, 0.0))
-        events += [(blk_b, ft["ag_block"], ft["rs_block"])] * a.n_layers
-        events.append((_sum(emb["bwd"]), 0.0, ft["rs_root"]))
+        events.append((_sum(emb["fwd"]) + cp["ag_root"], ft["ag_root"], 0.0))
+        events += [(blk_f + cp["ag_block"], ft["ag_block"], 0.0)] * a.n_layers
+        events.append((_sum(head["fwd"]), 0.0, 0.0))
+        events.append((_sum(head["bwd"]) + cp["ag_root"] * root_resharded, ft["ag_root"] * root_resharded, 0.0))
+        for i in reversed(range(a.n_layers)):
+            events.append(
+                (blk_b + cp["ag_block"] * resharded[i] + cp["rs_block"], ft["ag_block"] * resharded[i], ft["rs_block"])
+            )
+        events.append((_sum(emb["bwd"]) + cp["rs_root"], 0.0, ft["rs_root"]))
         for d, n, rec in costs["f_parts"] + costs["b_parts"]:
             acc.add(d, n, rec)
+        gathers = a.n_layers + sum(resharded)
+        copies = (
+            gathers * cp["ag_block"]
+            + (1 + root_resharded) * cp["ag_root"]
+            + a.n_layers * cp["rs_block"]
+            + cp["rs_root"]
+        )
+        acc.add({"memory_bound": copies})
     busy = sum(e[0] for e in events)
-    fb = _fsdp_stream(events)
+    fb = fsdp_stream(events)
     acc.comm_add(step.links["fsdp"].label, fb - busy)
     return fb, 0.0, stage.total
 
@@ -400,11 +384,21 @@ def _pp_stages(step: _Step, placement: list, n_stages: int) -> tuple[dict, dict,
         for sid, layers in rank
     }
     costs = {sid: _stage_costs(step.blk, step.head, step.emb, stage) for sid, stage in stages.items()}
-    ft = {sid: _fsdp_times(step, stage) for sid, stage in stages.items()}
+    ft = {
+        sid: fsdp_times(step.cfg, step.links, step.dims.fsdp_enabled, step.shard, stage)
+        for sid, stage in stages.items()
+    }
     first_f = {}
+    hbm = _Rates(step.spec).hbm
     for sid, stage in stages.items():
         ag_stage = stage.layers * ft[sid]["ag_block"] + ft[sid]["ag_root"]
         first_f[sid] = ft[sid]["ag_block"] + max(0.0, ag_stage - ft[sid]["ag_block"] - costs[sid]["F"])
+        # FSDP's copies on the compute stream: the gathered stage's copy-out at its first forward,
+        # the reduce-scatters' copy-in after its last backward (core/dryrun/fsdp_cost.py).
+        cp = fsdp_copies(step.cfg, hbm, step.dims.fsdp_enabled, stage)
+        ft[sid]["copy_in"] = stage.layers * cp["ag_block"] + cp["ag_root"]
+        ft[sid]["copy_out"] = stage.layers * cp["rs_block"] + cp["rs_root"]
+        first_f[sid] += ft[sid]["copy_in"]
     return stages, costs, ft, first_f
 
 
@@ -427,17 +421,20 @@ def _pipelined_step(step: _Step, acc: _Acc) -> tuple[float, float, int]:
     free1, _ = run_schedule(table, n_stages, cost, hop)
     free0, _ = run_schedule(table, n_stages, cost, 0.0)
     tails = [
-        sum(stages[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] for sid, _ in rank) for rank in placement
+        sum(stages[sid].layers * ft[sid]["rs_block"] + ft[sid]["rs_root"] + ft[sid]["copy_out"] for sid, _ in rank)
+        for rank in placement
     ]
     ends = [f + tl for f, tl in zip(free1, tails, strict=True)]
     r = max(range(p.pp), key=lambda i: ends[i])
     fb = step.accum * ends[r]
     fsdp_label = step.links["fsdp"].label
+    copies = sum(ft[sid]["copy_in"] + ft[sid]["copy_out"] for sid, _ in placement[r])
     for sid, _ in placement[r]:
         for d, n, rec in costs[sid]["f_parts"] + costs[sid]["b_parts"]:
             acc.add(d, n * n_micro * step.accum, rec)
-        acc.comm_add(fsdp_label, step.accum * first_f[sid])
-    acc.comm_add(fsdp_label, step.accum * tails[r])
+        acc.comm_add(fsdp_label, step.accum * (first_f[sid] - ft[sid]["copy_in"]))
+    acc.comm_add(fsdp_label, step.accum * (tails[r] - sum(ft[sid]["copy_out"] for sid, _ in placement[r])))
+    acc.add({"memory_bound": copies}, step.accum)
     acc.comm_add("pp", step.accum * max(0.0, max(free1) - max(free0)))
     bubble = max(0.0, fb - sum(acc.parts.values()) - sum(acc.comm.values()))
     params_local = max(sum(stages[sid].total for sid, _ in rank) for rank in placement)
@@ -453,7 +450,14 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
     grad_norm = step.links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / step.shard / _Rates(spec).hbm
     acc.comm_add("grad_norm", grad_norm)
-    step_s = fb + grad_norm + optimizer
+    precompute = 0.0
+    if fp8_all_gather(step.cfg) and step.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
+        # torchao's precompute_float8_dynamic_scale_for_fsdp: a foreach max-norm over the local
+        # fp32 shards and one all-reduce for every weight's scale, after the optimizer step.
+        optimizer += 4 * params_local / step.shard / _Rates(spec).hbm
+        precompute = step.links["fsdp"].small_all_reduce()
+        acc.comm_add(step.links["fsdp"].label, precompute)
+    step_s = fb + grad_norm + optimizer + precompute
     tokens_step = t.local_batch_size * t.seq_len * step.accum * step.dims.dp
     tps = tokens_step / step.dims.world_size / step_s
     mfu = flops_per_token(step.args, t.seq_len) * tps / spec.peak_bf16_flops
@@ -470,16 +474,17 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
         "capacity_gib": spec.hbm_capacity_gib,
         "links": {k: {"group": v.size, "across_nodes": v.nodes_spanned} for k, v in step.links.items()},
         "calibration": spec.calibration or "none: every constant from datasheets and cited benchmarks",
-        "error_band": accuracy.text(gpu=spec.name),
+        "error_band": accuracy.text(kind=accuracy.kind_of(step.cfg, spec.name)),
     }
 
 
-def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None) -> dict:
+def predict(cfg, gpu: str | GPUSpec = DEFAULT_GPU, memory: dict | None = None, stack: Stack = THIS_TRAINER) -> dict:
     """Step time, tokens/s per GPU, MFU and the breakdown (seconds) of a validated config on a
     GPU system (a spec name, see core/dryrun/hardware, or a GPUSpec). `memory`: the config's
-    `estimate_memory` result if the caller has it (else computed) for `fits`."""
+    `estimate_memory` result if the caller has it (else computed) for `fits`; `stack`: the
+    software that ran it, where it differs from this trainer (core/dryrun/stack.py)."""
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu)
-    step = _step_inputs(cfg, spec)
+    step = _step_inputs(cfg, spec, stack)
     acc = _Acc()
     run = _flat_step if cfg.parallelism.pp == 1 else _pipelined_step
     fb, bubble, params_local = run(step, acc)

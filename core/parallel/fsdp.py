@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from core.parallel.mesh import WorldMesh
+from core.parallel.reshard import reshard_after_forward as reshard_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,12 +32,9 @@ def apply_fsdp(
     pp_enabled: bool = False,
 ) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    # default: with PP, several microbatches reuse the parameters between forward and backward,
-    # and keeping them gathered saves one all-gather per microbatch.
-    reshard = not pp_enabled if reshard_after_forward == "default" else reshard_after_forward == "always"
     layers = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
-    for i, block in enumerate(layers):
-        # The last block's parameters are needed again at once by backward: keep them.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    blocks, root = reshard_policy(reshard_after_forward, len(layers), pp_enabled)
+    for block, reshard in zip(layers, blocks, strict=True):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root)
     return model

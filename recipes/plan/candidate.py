@@ -18,6 +18,7 @@ class Candidate:
     cfg: object = dataclasses.field(default=None, repr=False)
     memory: dict | None = dataclasses.field(default=None, repr=False)  # estimate_memory's result
     predicted: dict | None = None  # core.dryrun.runtime.predict, when ranked by speed
+    band: float | None = None  # the model's error over public figures of its kind (a fraction)
 
     @property
     def tps(self) -> float:

@@ -136,24 +136,31 @@ def _cheapest_ac(
 
 
 def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None) -> list[Candidate]:
-    """Rank the candidates by predicted tokens/s per GPU; the guidance still outranks speed, and
-    predictions within SPEED_TIE of the fastest are ordered by the rules."""
-    from core.dryrun.gpuspec import DEFAULT_GPU
+    """Rank the candidates by predicted tokens/s per GPU; the guidance still outranks speed.
+    Each carries its band, the model's error over public figures of its kind (core/dryrun/
+    accuracy.py): predictions within their band of the fastest are a tie the model cannot
+    break, ordered by the rules (SPEED_TIE before any validation)."""
+    from core.dryrun import accuracy
+    from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
     from core.dryrun.runtime import predict
 
     if not ranked:
         return []
+    spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu or DEFAULT_GPU)
+    judged = (accuracy.band() or {}).get("judged", [])
     for c in ranked:
-        c.predicted = predict(c.cfg, gpu or DEFAULT_GPU, memory=c.memory)
+        c.predicted = predict(c.cfg, spec, memory=c.memory)
+        mae = accuracy.kind_band(accuracy.kind_of(c.cfg, spec.name), judged)["mae"] if judged else None
+        c.band = mae / 100 if mae is not None else None
     # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
     ranked = sorted(ranked, key=lambda c: (not c.fits, bool(c.violations), -c.tps if c.fits else 0.0))
-    # Predictions closer than the model's own error to the fastest are a tie: the rules order those.
     top = ranked[0]
-    ties = [
-        c
-        for c in ranked
-        if c.fits == top.fits and bool(c.violations) == bool(top.violations) and c.tps >= top.tps * (1 - SPEED_TIE)
-    ]
+
+    def within(c: Candidate) -> bool:
+        band = max(b for b in (top.band, c.band, SPEED_TIE) if b is not None) if top.band else SPEED_TIE
+        return c.fits == top.fits and bool(c.violations) == bool(top.violations) and c.tps >= top.tps * (1 - band)
+
+    ties = [c for c in ranked if within(c)]
     ties.sort(key=Candidate.key)
     return ties + [c for c in ranked if c not in ties]
 

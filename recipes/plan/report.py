@@ -43,6 +43,7 @@ def ranked_json(ranked: list[Candidate], gpu: str) -> str:
                 "tokens_per_sec_per_gpu": rate_json(c.tps),
                 "step_time_s": round(c.predicted["step_time_s"], 4),
                 "mfu": round(c.predicted["mfu"], 4),
+                "error_band_pct": round(c.band * 100, 1) if c.band is not None else None,
             }
             for i, c in enumerate(ranked, 1)
         ],
@@ -88,12 +89,24 @@ def ranked_table(shown: list[Candidate], gpu_mem: float) -> str:
                 f"{c.estimate_gib:.1f}",
                 "yes" if c.fits else "no",
                 rate_text(c.tps),
+                f"±{c.band:.1%}" if c.band is not None else "-",
                 f"{c.predicted['mfu']:.1%}",
                 "; ".join(c.violations) or "-",
             ]
         )
     memory = f"est. GiB (of {gpu_mem:g})"
-    headers = ["#", "layout", "local batch", "AC", memory, "fits", "pred. TPS/GPU", "MFU", "against the guidance"]
+    headers = [
+        "#",
+        "layout",
+        "local batch",
+        "AC",
+        memory,
+        "fits",
+        "pred. TPS/GPU",
+        "band",
+        "MFU",
+        "against the guidance",
+    ]
     return tabulate(rows, headers=headers)
 
 

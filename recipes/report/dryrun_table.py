@@ -298,7 +298,7 @@ def records_from_dir(records_dir) -> list[dict]:
 
 
 def _calibrate() -> None:
-    """Refit the model's two fitted constants on their public figures and print them."""
+    """Refit the model's fitted constants on their public figures and print them."""
     from recipes.report import perf_validation
 
     click.echo(calibrate_mod.fit(perf_validation.fit_targets()))
@@ -361,9 +361,7 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
 )
 @click.option("--gpu", default=None, help="GPU spec for --all / --predict (default: the paper's).")
 @click.option(
-    "--calibrate",
-    is_flag=True,
-    help="Refit the model's two fitted constants on their named public figures and print them.",
+    "--calibrate", is_flag=True, help="Refit the model's fitted constants on their named public figures and print them."
 )
 @click.option(
     "--validate",

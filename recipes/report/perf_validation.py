@@ -1,17 +1,18 @@
 """The performance model against every public throughput figure we know of (`run-recipe
 dry-run-table --validate`): results/perf_validation.csv and .md, and the error band the
-predictions print (core/dryrun/accuracy.toml).
+predictions print (core/dryrun/accuracy.toml); the memory side is recipes/report/memory_validation.py.
 
 The figures: the paper's (each row's `paper_tps_per_gpu`), torchtitan's Dec 2024 re-run (each
 row's `bench_tps_per_gpu`) and the other public measurements in recipes/report/perf_figures.toml, each
-with its source, GPU system and full configuration. A figure a constant was fitted on
-(core/dryrun/calibrate.py) is marked and left out of the error.
+with its source, GPU system, full configuration and role: `prior` (the model was built on it),
+`listed` (issue 35 names it, or one of its mechanisms was designed against it) or `held_out`
+(decided before any issue-35 mechanism was built: the model is judged on these alone). A figure
+a constant was fitted on (core/dryrun/calibrate.py) is marked and left out of the error.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,9 +24,22 @@ from core.dryrun import accuracy, calibrate
 from core.dryrun.gpuspec import DEFAULT_GPU
 from core.fileio import atomic_write
 from recipes import registry
+from recipes.report.validation_parts import (
+    HELD_OUT_GOALS,
+    band_coverage,
+    errors,
+    gpu_rows,
+    judged_kinds,
+    kinds_table,
+    layout,
+    template,
+    verdict,
+    world,
+)
 
 CSV_COLUMNS = (
     "source",
+    "role",
     "model",
     "gpu",
     "gpus",
@@ -37,6 +51,7 @@ CSV_COLUMNS = (
 )
 MAE_GOAL_PCT, WORST_GOAL_PCT = 8.0, 20.0
 NO_MEM = {"allocated_peak_gib": 0.0}  # memory is not what is validated here
+ROLES = ("prior", "listed", "held_out")
 
 
 @dataclass
@@ -48,13 +63,25 @@ class Figure:
     measured: float
     overrides: tuple[str, ...] = ()
     fitted: bool = False
-    outside: str = ""  # why the figure ran outside its spec's conditions (shown, never judged)
+    outside: str = ""  # why the throughput is shown and never judged (e.g. a GPU outside its spec)
+    role: str = "prior"
+    designed_for: str = ""
+    measured_reserved: float | None = None  # GiB, torch's max reserved as the source logs it
+    memory_outside: str = ""  # why the memory reading is shown and never judged
+    memory_role: str = ""  # the memory reading's role where it differs from the figure's
+    stack: dict = field(default_factory=dict)  # the software's differences (core/dryrun/stack.py)
     predicted: float | None = None
+    predicted_reserved: float | None = None
+    peak_at: str = ""  # where the accounting's peak is
     cfg: object = field(default=None, repr=False)
 
     @property
     def error_pct(self) -> float:
         return (self.predicted / self.measured - 1) * 100
+
+    @property
+    def kind(self) -> dict:
+        return accuracy.kind_of(self.cfg, self.gpu)
 
 
 @functools.cache
@@ -62,19 +89,44 @@ def data() -> dict:
     return tomllib.loads((resources.files("recipes.report") / "perf_figures.toml").read_text(encoding="utf-8"))
 
 
+def _reference_figures() -> list[Figure]:
+    """The paper's and the Dec 2024 re-run's figures of each row that has one (throughput and memory)."""
+    out = []
+    for col, key, mem in (
+        ("paper", "paper_tps_per_gpu", "paper_mem_gib"),
+        ("bench-2412", "bench_tps_per_gpu", "bench_mem_gib"),
+    ):
+        for r in registry.all_recipes():
+            if r.reference.get(key):
+                f = Figure(f"{col}/{r.id}", col, r.id, DEFAULT_GPU, float(r.reference[key]))
+                f.measured_reserved = r.reference.get(mem)
+                f.stack = dict(data()["sources"][col].get("stack", {}))
+                out.append(f)
+    return out
+
+
 def figures() -> list[Figure]:
     """Every public figure: the paper's and the Dec 2024 re-run's for each row that has one, then
     the others (recipes/report/perf_figures.toml)."""
-    out = []
-    for col, key in (("paper", "paper_tps_per_gpu"), ("bench-2412", "bench_tps_per_gpu")):
-        for r in registry.all_recipes():
-            if r.reference.get(key):
-                out.append(Figure(f"{col}/{r.id}", col, r.id, DEFAULT_GPU, float(r.reference[key])))
+    out = _reference_figures()
     for f in data()["figures"]:
-        measured = float(f["measured_tps_per_gpu"])
+        if f.get("role", "prior") not in ROLES:
+            raise ValueError(f"{f['id']}: role {f['role']!r} is none of {ROLES}")
         out.append(
             Figure(
-                f["id"], f["source"], f["row"], f["gpu"], measured, tuple(f.get("set", ())), False, f.get("outside", "")
+                f["id"],
+                f["source"],
+                f["row"],
+                f["gpu"],
+                float(f["measured_tps_per_gpu"]),
+                tuple(f.get("set", ())),
+                outside=f.get("outside", ""),
+                role=f.get("role", "prior"),
+                designed_for=f.get("designed_for", ""),
+                measured_reserved=f.get("measured_reserved_gib"),
+                memory_outside=f.get("memory_outside", ""),
+                memory_role=f.get("memory_role", ""),
+                stack={**data()["sources"][f["source"]].get("stack", {}), **f.get("stack", {})},
             )
         )
     fitted = set(calibrate.fitted_figures())
@@ -85,21 +137,29 @@ def figures() -> list[Figure]:
     return out
 
 
-def fit_targets() -> dict[str, tuple[object, float]]:
-    """For each fitted figure: (its validated config, its measured TPS/GPU), for calibrate.fit."""
+def fit_targets() -> dict[str, tuple[object, float, object]]:
+    """For each fitted figure: (its validated config, its measured TPS/GPU, the stack that ran
+    it), for calibrate.fit."""
+    from core.dryrun.stack import stack_of
+
     by_id = {f.id: f for f in figures()}
-    return {fid: (by_id[fid].cfg, by_id[fid].measured) for fid in calibrate.fitted_figures()}
+    return {
+        fid: (by_id[fid].cfg, by_id[fid].measured, stack_of(by_id[fid].stack)) for fid in calibrate.fitted_figures()
+    }
 
 
 def _same_run(a: Figure, b: Figure) -> bool:
-    return a.row == b.row and a.overrides == b.overrides and a.gpu == b.gpu
+    return a.row == b.row and a.overrides == b.overrides and a.gpu == b.gpu and a.stack == b.stack
 
 
 def predict_all(figs: list[Figure]) -> list[Figure]:
     from core.dryrun.runtime import predict
+    from core.dryrun.stack import stack_of
+    from recipes.report import memory_validation
 
     for f in figs:
-        f.predicted = predict(f.cfg, f.gpu, memory=NO_MEM)["tokens_per_sec_per_gpu"]
+        f.predicted = predict(f.cfg, f.gpu, memory=NO_MEM, stack=stack_of(f.stack))["tokens_per_sec_per_gpu"]
+    memory_validation.predict_all(figs)
     return figs
 
 
@@ -108,30 +168,25 @@ def judged(figs: list[Figure]) -> list[Figure]:
     return [f for f in figs if not f.fitted and not f.outside]
 
 
-def _errors(figs: list[Figure]) -> dict:
-    worst = max(figs, key=lambda f: abs(f.error_pct))
-    return {
-        "figures": len(figs),
-        "mean_abs_error_pct": round(statistics.fmean(abs(f.error_pct) for f in figs), 1),
-        "worst_pct": round(worst.error_pct, 1),
-        "worst_figure": worst.id,
-    }
-
-
 def summary(figs: list[Figure]) -> dict:
-    """The error over the judged figures, overall and per GPU system; for the figures outside
-    their spec's conditions, what they measured against the prediction, per GPU system."""
+    """The error over the judged figures, overall, held out and per GPU system, with each judged
+    figure's kind; for the figures outside their spec's conditions on a GPU system nothing judged
+    ran on, what they measured against the prediction; the memory side (memory_validation)."""
+    from recipes.report import memory_validation
+
     ok = judged(figs)
     gpus = sorted({f.gpu for f in ok})
     outside: dict[str, dict] = {}
-    for f in (f for f in figs if f.outside):
+    for f in (f for f in figs if f.outside and f.gpu not in gpus):
         o = outside.setdefault(f.gpu, {"figures": 0, "ratios": [], "why": f.outside})
         o["figures"] += 1
         o["ratios"].append(f.measured / f.predicted)
+    held = [f for f in ok if f.role == "held_out"]
     return {
-        **_errors(ok),
+        **errors(ok),
         "fitted": sum(f.fitted for f in figs),
-        "gpus": {g: _errors([f for f in ok if f.gpu == g]) for g in gpus},
+        "held_out": {**errors(held), "within_band": band_coverage(ok)},
+        "gpus": {g: errors([f for f in ok if f.gpu == g]) for g in gpus},
         "outside": {
             g: {
                 "figures": o["figures"],
@@ -141,25 +196,9 @@ def summary(figs: list[Figure]) -> dict:
             }
             for g, o in outside.items()
         },
+        "judged": judged_kinds(ok),
+        **memory_validation.summary(figs),
     }
-
-
-def layout(cfg) -> str:
-    """FSDP 32 x TP 8, compile, Float8 tensorwise, AsyncTP, full AC, local batch 16, seq 8192."""
-    p, t, f = cfg.parallelism, cfg.training, cfg.float8
-    dims = [(n, getattr(p, k)) for n, k in (("FSDP", "dp_shard"), ("TP", "tp"), ("PP", "pp"), ("CP", "cp"))]
-    parts = [" x ".join(f"{n} {v}" for n, v in dims if v > 1) or "1 GPU"]
-    if p.pp > 1:
-        parts.append(f"{p.pp_schedule} {p.pp_microbatches or p.pp} microbatches")
-    parts.append("compile" if cfg.compile.enabled else "eager")
-    if f.enabled:
-        parts.append(f"Float8 {f.recipe}" + (" + float8 all-gather" if f.enable_fsdp_float8_all_gather else ""))
-    if p.enable_async_tp:
-        parts.append("AsyncTP")
-    ac = cfg.activation_checkpoint
-    parts.append("full AC" if ac.mode == "full" else f"{ac.mode} {ac.selective_ac_option} AC")
-    parts.append(f"local batch {t.local_batch_size}, seq {t.seq_len}")
-    return ", ".join(parts)
 
 
 def csv_rows(figs: list[Figure]) -> list[dict]:
@@ -167,9 +206,10 @@ def csv_rows(figs: list[Figure]) -> list[dict]:
     return [
         {
             "source": f.id,
+            "role": f.role + (f" ({f.designed_for})" if f.designed_for else ""),
             "model": f.cfg.model.flavor,
             "gpu": f.gpu,
-            "gpus": f.cfg.parallelism.world_size or _world(f.cfg),
+            "gpus": world(f.cfg),
             "layout": layout(f.cfg),
             "measured_tps_per_gpu": f.measured,
             "predicted_tps_per_gpu": round(f.predicted, 1),
@@ -179,11 +219,6 @@ def csv_rows(figs: list[Figure]) -> list[dict]:
         for f in figs
         if not f.outside
     ]
-
-
-def _world(cfg) -> int:
-    p = cfg.parallelism
-    return p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
 
 
 def effects(figs: list[Figure]) -> list[dict]:
@@ -206,43 +241,67 @@ def effects(figs: list[Figure]) -> list[dict]:
     return out
 
 
-def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, Path]:
-    """perf_validation.csv and .md in out_dir; when that is the project's results/, also the error
-    band the model states (core/dryrun/accuracy.toml): a validation written elsewhere changes nothing
-    the package ships."""
+def write(out_dir: Path, figs: list[Figure]) -> tuple[Path, ...]:
+    """perf_validation.csv and .md (and memory_validation's) in out_dir; when that is the
+    project's results/, also the error band the model states (core/dryrun/accuracy.toml): a
+    validation written elsewhere changes nothing the package ships."""
     from recipes.paths import results_root
+    from recipes.report import memory_validation
     from recipes.report.results import write_csv
 
     rows = csv_rows(figs)
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = write_csv(out_dir / "perf_validation.csv", rows, CSV_COLUMNS), out_dir / "perf_validation.md"
     s = summary(figs)
-    atomic_write(md_path, _markdown(rows, s, effects(figs), [f for f in figs if f.outside]))
+    atomic_write(md_path, _markdown(rows, s, effects(figs), figs))
+    mem_paths = memory_validation.write(out_dir, figs, s)
     if out_dir.resolve() == results_root().resolve():
         accuracy.write(s)
-    return csv_path, md_path
+    return (csv_path, md_path, *mem_paths)
 
 
-def _markdown(rows: list[dict], s: dict, effs: list[dict], outside: list[Figure]) -> str:
-    template = resources.files("recipes.report") / "templates" / "perf_validation.toml"
-    t = tomllib.loads(template.read_text(encoding="utf-8"))
+def _goal_lines(t: dict, s: dict) -> list[str]:
+    """The overall goal, and issue 35's held-out goals for throughput and memory."""
     mae_met, worst_met = s["mean_abs_error_pct"] <= MAE_GOAL_PCT, abs(s["worst_pct"]) <= WORST_GOAL_PCT
-    lines = [t["title"], "", t["intro"].format(calibration=", ".join(calibrate.describe())), ""]
-    lines += [
+    lines = [
         t["goal"].format(
             mae_goal=MAE_GOAL_PCT,
             worst_goal=WORST_GOAL_PCT,
-            mae_verdict="met" if mae_met else "not met",
-            worst_verdict="met" if worst_met else "not met",
+            mae_verdict=verdict(mae_met),
+            worst_verdict=verdict(worst_met),
             band=accuracy.text(s),
-            **s,
+            **{k: v for k, v in s.items() if k in accuracy.KEYS},
         ),
         "",
     ]
-    gtab = [[g, e["figures"], e["mean_abs_error_pct"], f"{e['worst_pct']:+.1f}"] for g, e in s["gpus"].items()]
+    for what, key in (("throughput", "held_out"), ("memory", "memory_held_out")):
+        h, (mae_goal, worst_goal) = s[key], HELD_OUT_GOALS[what]
+        lines += [
+            t["held_out_goal"].format(
+                what=what,
+                mae_goal=mae_goal,
+                worst_goal=worst_goal,
+                mae_verdict=verdict(h["mean_abs_error_pct"] <= mae_goal),
+                worst_verdict=verdict(abs(h["worst_pct"]) <= worst_goal),
+                **h,
+            ),
+            "",
+        ]
+    return lines
+
+
+def _markdown(rows: list[dict], s: dict, effs: list[dict], figs: list[Figure]) -> str:
+    t = template()
+    lines = [t["title"], "", t["intro"].format(calibration=", ".join(calibrate.describe())), ""]
+    lines += _goal_lines(t, s)
+    gtab = gpu_rows(s["gpus"])
     lines += [tabulate(gtab, headers=t["gpus_headers"], tablefmt="github"), ""]
+    lines += [t["kinds_title"], "", t["kinds_intro"], ""]
+    lines += [tabulate(kinds_table(s), headers=t["kinds_headers"], tablefmt="github"), ""]
+    lines += [t["figures_title"], ""]
     table = [[r[c] for c in CSV_COLUMNS] for r in rows]
     lines.append(tabulate(table, headers=list(CSV_COLUMNS), tablefmt="github"))
+    outside = [f for f in figs if f.outside]
     if outside:
         lines += ["", t["outside_title"], "", t["outside_intro"], ""]
         otab = [
@@ -258,7 +317,33 @@ def _markdown(rows: list[dict], s: dict, effs: list[dict], outside: list[Figure]
             for f in outside
         ]
         lines.append(tabulate(otab, headers=t["outside_headers"], tablefmt="github"))
-    lines += ["", t["effects_title"], "", t["effects_intro"], ""]
+    lines += _not_predicted(t)
+    lines += _effects_lines(t, effs)
+    srcs = data()["sources"]
+    lines += ["", t["sources_title"], ""] + [f"- `{k}`: {v['title']}, <{v['url']}>" for k, v in srcs.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _not_predicted(t: dict) -> list[str]:
+    def cell(v):
+        return ", ".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}" if v else ""
+
+    rows = [
+        [n["id"], n["gpu"], cell(n["measured_tps_per_gpu"]), cell(n.get("measured_reserved_gib")), n["why"], n["url"]]
+        for n in data()["not_predicted"]
+    ]
+    return [
+        "",
+        t["not_predicted_title"],
+        "",
+        t["not_predicted_intro"],
+        "",
+        tabulate(rows, headers=t["not_predicted_headers"], tablefmt="github"),
+    ]
+
+
+def _effects_lines(t: dict, effs: list[dict]) -> list[str]:
+    lines = ["", t["effects_title"], "", t["effects_intro"], ""]
     etab = [
         [
             e["effect"],
@@ -277,8 +362,4 @@ def _markdown(rows: list[dict], s: dict, effs: list[dict], outside: list[Figure]
         f"{sum(e['effect'].startswith(k) for e in effs)}"
         for k, label in kinds
     ]
-    lines += ["", t["effects_summary"].format(counts="; ".join(counts))]
-    srcs = data()["sources"]
-    lines += ["", t["sources_title"], ""] + [f"- `{k}`: {v['title']}, <{v['url']}>" for k, v in srcs.items()]
-    lines += ["", t["not_used"], ""]
-    return "\n".join(lines)
+    return lines + ["", t["effects_summary"].format(counts="; ".join(counts))]

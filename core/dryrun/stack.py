@@ -1,0 +1,41 @@
+"""What the software that ran a public figure did differently from this project's trainer, where
+the model's numbers depend on it. A public figure is modelled as the software of its date ran it
+(recipes/report/perf_figures.toml `stack`); every prediction of this trainer uses `THIS_TRAINER`.
+Each field names the change that ended it, with its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Stack:
+    # torchtitan's selective op AC saved aten.abs (and aten.max) outputs "for low precision
+    # training" until PR 820 (pytorch/torchtitan 88247277c, 2025-02-06, "this huge buffer saved
+    # for backwards was holding abs(W3), where W3 is an unsharded weight tensor"): eager, abs() of
+    # every Float8 cast's input, weights included, is a tensor of its own and is kept to backward;
+    # compiled, only the rowwise recipe's weight abs() is (tensorwise fuses it into the amax).
+    sac_saves_abs: bool = False
+    # FSDP2 kept the root module's parameters gathered from forward to backward whatever its
+    # reshard_after_forward said ("we assumed root model will be used in backward immediately")
+    # until pytorch/pytorch PR 154704 (June 2025, torch 2.8): torchtitan's embedding, final norm
+    # and output stayed gathered through the loss in every run before it.
+    root_kept_gathered: bool = False
+    # torchtitan compiles the loss with the model when training.compile is on, from PR 1033
+    # (pytorch/torchtitan, merged 2025-04: "the loss fn builder has only 1 responsibility of
+    # compiling the loss fn if job_config.training.compile is set"); its model returns bf16
+    # logits (the .float() moved into the loss), so a fused cross-entropy reads them in place.
+    loss_compiled: bool = False
+
+
+THIS_TRAINER = Stack()
+
+
+def stack_of(table: dict) -> Stack:
+    """A Stack from a figure's `stack` table; ValueError naming an unknown field."""
+    known = {f.name for f in fields(Stack)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"stack.{unknown[0]}: not a field of core/dryrun/stack.py Stack ({', '.join(sorted(known))})")
+    return Stack(**table)
