@@ -72,8 +72,7 @@ def test_a_signal_stops_the_run_says_how_to_resume_and_keeps_the_log(tmp_path, s
     assert last.startswith(f"stopped by {sig.name}: {ROW} in {out}") and "last complete checkpoint step 2" in last
     assert f"resume with: run-recipe run {ROW} --mode proxy --out {out}" in last
     assert not (out / run_folder.LOCK).exists()
-    children = subprocess.run(["pgrep", "-f", f"--config {out}/job.json"], capture_output=True, text=True)
-    assert not children.stdout.strip(), "a rank outlived the launcher"
+    assert not _processes_of(out), "a rank outlived the launcher"
     log = (out / "train.log").read_bytes()
     assert b"loss" in log or b"step" in log  # what the ranks wrote before the stop
     if sig != signal.SIGTERM:
@@ -131,8 +130,12 @@ def test_a_killed_rank_is_named_not_the_survivor(tmp_path):
     assert "Connection" not in said and "Traceback" not in said, said
 
 
-def _ranks_of(out: Path) -> str:
-    return subprocess.run(["pgrep", "-f", f"--config {out}/job.json"], capture_output=True, text=True).stdout.strip()
+def _processes_of(out: Path) -> list[int]:
+    """The run's torchrun agent and its ranks (forked from it, so sharing its command line)."""
+    # `--` ends pgrep's options: the pattern starts with dashes (without it pgrep fails, rc 2)
+    found = subprocess.run(["pgrep", "-f", "--", f"--config {out}/job.json"], capture_output=True, text=True)
+    assert found.returncode in (0, 1), found.stderr
+    return [int(pid) for pid in found.stdout.split()]
 
 
 @pytest.mark.slow
@@ -147,9 +150,9 @@ def test_a_launcher_killed_or_hung_up_takes_its_ranks_and_the_rerun_resumes_bit_
     proc.send_signal(sig)
     said, _ = proc.communicate(timeout=60)
     deadline = time.monotonic() + 10
-    while _ranks_of(out) and time.monotonic() < deadline:
+    while _processes_of(out) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _ranks_of(out), "a rank outlived its launcher by 10 s"
+    assert not _processes_of(out), "a rank outlived its launcher by 10 s"
     if sig == signal.SIGHUP:  # heard: stopped as by SIGTERM, with the line that resumes
         assert proc.returncode == 128 + sig and "stopped by SIGHUP" in said and "resume with:" in said, said
     said, _ = _run_recipe(out, *KILL_RUN).communicate(timeout=300)
@@ -191,18 +194,21 @@ def test_every_signal_stops_the_run_at_any_moment(tmp_path, sig, moment):
     proc = _run_recipe(out, *KILL_RUN, "compile.enabled=true", "training.steps=400")
     if moment == "start-up":
         time.sleep(1.0)
-    elif moment == "first step":  # the ranks are up and compiling
+    elif moment == "first step":  # the agent and both ranks are up, the ranks compiling
         t0 = time.monotonic()
-        while not _ranks_of(out) and time.monotonic() - t0 < 120:
+        while len(_processes_of(out)) < 3 and time.monotonic() - t0 < 120:
             time.sleep(0.1)
+        assert len(_processes_of(out)) >= 3, "the ranks never started"
         time.sleep(3.0)
     else:
         _wait_for_step(out, 5, poll_s=0.05)
+    sent = time.monotonic()
     proc.send_signal(sig)
     said, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, said
     assert f"stopped by {sig.name}" in said.strip().splitlines()[-1]
-    assert not _ranks_of(out)
+    assert time.monotonic() - sent < 30, "the stop waited for the step to end"
+    assert not _processes_of(out)
 
 
 @pytest.mark.slow
