@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 from core.config import ConfigError, JobConfig
-from core.toggles import async_tp, float8
 
 
 def check_real_devices(cfg: JobConfig) -> None:
@@ -39,6 +38,8 @@ def check_toggle_hardware(cfg: JobConfig) -> dict[str, str]:
     """Raise ConfigError (one line, naming the key) for a toggle this machine cannot run:
     Float8 on a CUDA GPU older than sm89 (any mode), AsyncTP without CUDA + NVLink/NVSwitch in
     real mode. Returns {toggle: reason} for what a proxy run will skip and record instead."""
+    from core.toggles import async_tp, float8  # here: they import torch, which `list` and `keys` never need
+
     problem = float8.hardware_problem(cfg)
     if problem:
         raise ConfigError(problem)

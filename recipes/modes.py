@@ -30,7 +30,6 @@ from core import run_folder
 from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
 from core.fileio import check_writable_folder
-from core.result import summary
 from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
@@ -360,6 +359,8 @@ def run_local_rows(rows: list[Row], mode: RowMode) -> list[str]:
             fresh = result.is_file() and result.stat().st_mtime >= started  # not a previous run's record
             if fresh and (rc == 0 or i < len(group) - 1):  # a failed launch: its last row failed
                 dest = mode.record(result, r.recipe, mode.options.records)
+                from core.result import summary  # here: core.result imports torch, which `run`'s checks never need
+
                 click.echo(f"{r.recipe.id}: {summary(json.loads(result.read_text()))}")
                 click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
                 continue

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed._symmetric_memory as symm_mem  # private: symmetric memory has no public module yet
-from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import ConfigError, JobConfig
 
@@ -78,6 +80,9 @@ def apply_async_tp(tp_mesh: DeviceMesh, cfg: JobConfig, toggles) -> bool:
     import torch._inductor.config as inductor_config  # ~1 s import: AsyncTP runs only
 
     inductor_config._micro_pipeline_tp = True  # private flag: the only switch for inductor's AsyncTP pass
+    # private: symmetric memory has no public module yet; imported here, as AsyncTP alone needs it
+    import torch.distributed._symmetric_memory as symm_mem
+
     symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     toggles.apply("async_tp")
     return True
