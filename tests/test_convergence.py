@@ -171,7 +171,8 @@ def test_prefix_matches_golden(rid, tmp_path):
         # until they are committed there is nothing to regress against.
         pytest.skip(f"{GOLDEN.name} has no golden curve for {rid}: run `run-recipe convergence`")
     golden = json.loads(GOLDEN.read_text())
-    k, tol = golden["prefix_steps"], golden["prefix_tolerance"]
+    # a golden file may hold a longer prefix than the test re-runs: its first PREFIX_STEPS are compared
+    k, tol = min(golden["prefix_steps"], conv.PREFIX_STEPS), golden["prefix_tolerance"]
     assert tol <= conv.PREFIX_TOLERANCE
     gold = golden["rows"][rid]["losses"][:k]
     t0 = time.perf_counter()
