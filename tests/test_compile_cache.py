@@ -4,6 +4,7 @@ torch's own caching elsewhere, and a bad value is refused before anything runs."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,70 @@ def test_off_leaves_inductor_unpatched_and_on_patches_it():
     assert steps["1"] == ["auto", True, everything]  # auto on CPU
     assert steps["2"] == ["on", True, everything]
     assert steps["3"] == ["off", False, []]  # a later job with it off: torch's functions back
+
+
+# In a fresh process: one forward and backward of a compiled Float8 block, then this process's
+# AOTAutograd cache lookups (torchao's Float8 casts are autograd.Functions marked allow_in_graph).
+FLOAT8_BLOCK = """
+import json, sys
+import torch
+from core.config import Compile, load_config
+from core.models.llama3 import create_model
+from core.parallel.parallelize import Toggles
+from core.toggles import compile_cache
+from core.toggles.compile import apply_compile
+from core.toggles.float8 import apply_float8
+
+torch.manual_seed(0)
+model = create_model("tiny", vocab_size=512, max_seq_len=64, device="cpu")
+model.layers = torch.nn.ModuleDict({"0": model.layers["0"]})
+apply_float8(model, load_config(None, ["float8.enabled=true", "float8.emulate=true"]), Toggles())
+apply_compile(model, Compile(enabled=True, shared_cache=sys.argv[1]), Toggles(), "cpu")
+x = torch.randn(2, 64, model.layers["0"].attention.wq.in_features, requires_grad=True)
+freqs = model.freqs_cis[:64]
+model.layers["0"](x, freqs).sum().backward()
+print(json.dumps({"aot": compile_cache.counts("aot_autograd"), "grad": x.grad.double().sum().item()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_float8_block_is_served_by_the_aot_autograd_cache_in_the_next_process(tmp_path):
+    """torch 2.13 bypasses AOTAutograd's cache for such a graph (the closure Dynamo makes for an
+    allow_in_graph autograd.Function has no importable name): a warm process re-traced the joint
+    graph of every Float8 block. With the shared cache on, the key names the Function instead:
+    the next process hits, with the same gradients."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+
+    def run(choice: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", FLOAT8_BLOCK, choice], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    cold, warm = run("on"), run("on")
+    assert cold["aot"] == {"hit": 0, "miss": 1, "bypass": 0}, cold
+    assert warm["aot"] == {"hit": 1, "miss": 0, "bypass": 0}, warm
+    assert warm["grad"] == cold["grad"]
+
+
+def test_an_autograd_function_is_named_in_a_key_by_class_version_and_source():
+    """Two of Dynamo's trampolines to one Function give one key line; another Function, another."""
+    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import _ToFloat8ConstrFunc
+
+    compile_cache.install()
+    try:
+        fmt = compile_cache.targets()["format_global"][0]._format_global_for_cache_key
+        one, two = (produce_trampoline_autograd_apply(matmul_with_hp_or_float8_args) for _ in range(2))
+        other = produce_trampoline_autograd_apply(_ToFloat8ConstrFunc)
+        assert one is not two and fmt("fn", one) == fmt("fn", two) != fmt("fn", other)
+        line = fmt("fn", one)
+        assert "torchao.float8.float8_linear.matmul_with_hp_or_float8_args" in line
+        import torchao
+
+        assert torchao.__version__ in line
+        assert fmt("torch", __import__("torch")) == "import torch"  # everything else as torch writes it
+    finally:
+        compile_cache.uninstall()

@@ -29,6 +29,8 @@ PRIVATE = [  # (module, attribute path, who uses it)
     ("torch._dynamo.utils", "counters", "core/toggles/compile_cache.py"),
     ("torch._functorch._aot_autograd.autograd_cache", "AOTAutogradCachePickler", "core/toggles/compile_cache.py"),
     ("torch._inductor.runtime.cache_dir_utils", "cache_dir", "core/toggles/compile_cache.py"),
+    ("torch._dynamo.variables.misc", "produce_trampoline_autograd_apply", "core/toggles/compile_cache.py"),
+    ("torch._inductor.config", "unsafe_marked_cacheable_functions", "core/toggles/compile_cache.py"),
     ("torch._inductor.runtime.cache_dir_utils", "default_cache_dir", "core/toggles/compile.py"),
     ("torch._functorch.config", "enable_autograd_cache", "core/toggles/compile.py"),
     ("torch._inductor.config", "fx_graph_cache", "core/toggles/compile.py"),

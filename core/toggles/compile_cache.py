@@ -19,6 +19,13 @@ in torch 2.13 stop that:
    the process group").
 3. The ranks compile at the same moment, so all of them miss. A file lock per key lets the first
    rank compile and save while the others wait for it, then load its graph (single flight).
+4. A graph that calls an autograd.Function marked allow_in_graph (torchao's Float8 casts and
+   matmul) holds it through a closure Dynamo makes per call, which the AOTAutograd key cannot
+   name: every rank of every run bypasses that cache and re-traces the joint graph (6 s of a
+   warm 8 s first step, world 2). Here the key names the class, its package's version and a hash
+   of its module's source, so an upgrade or an edit misses. The plain-data classes the same
+   graphs construct (torchao's ScaledMMConfig) are marked cacheable, keyed by torchao's version,
+   through inductor's own `unsafe_marked_cacheable_functions`.
 
 This patches torch internals, so it installs only where the functions are the ones written for,
 and only where it was proven: `compile.shared_cache` (auto: CPU ranks on gloo, torch 2.13; CUDA
@@ -31,9 +38,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -172,6 +181,73 @@ def _reduce_graph_module_by_role(self, gm):
     return fn, (data, imports)
 
 
+def _autograd_function_of(obj: Any) -> type | None:
+    """The autograd.Function behind Dynamo's per-call trampoline to its apply, else None."""
+    import torch
+    from torch._dynamo.variables.misc import produce_trampoline_autograd_apply  # private: no public name
+
+    if getattr(obj, "_origin", None) is not produce_trampoline_autograd_apply or not obj.__closure__:
+        return None
+    fn_cls = obj.__closure__[0].cell_contents
+    return fn_cls if isinstance(fn_cls, type) and issubclass(fn_cls, torch.autograd.Function) else None
+
+
+@functools.cache
+def autograd_function_fingerprint(fn_cls: type) -> str:
+    """What names an autograd.Function in a key: its path, its package's version, its module's source."""
+    module = sys.modules[fn_cls.__module__]
+    package = sys.modules.get(fn_cls.__module__.split(".")[0])
+    version = getattr(package, "__version__", "?")
+    try:
+        source = hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
+    except (OSError, TypeError):  # no source file: the version alone
+        source = "no-source"
+    return f"{fn_cls.__module__}.{fn_cls.__qualname__} {version} {source}"
+
+
+def _format_global_naming_functions(name: str, obj: Any) -> str:
+    fn_cls = _autograd_function_of(obj)
+    if fn_cls is not None:
+        return f"# autograd.Function {name}: {autograd_function_fingerprint(fn_cls)}"
+    return _torch["format_global"](name, obj)
+
+
+# What AOTAutograd's check refuses in a Float8 graph, marked cacheable through inductor's own
+# `unsafe_marked_cacheable_functions` (name -> a version string, which is part of the key): the
+# plain data torchao's graphs construct (NamedTuples, frozen dataclasses: their arguments are in
+# the graph, so in the key), keyed by torchao's version; and Dynamo's trampoline, which the key
+# writes as the class it calls (_format_global_naming_functions), keyed by torch's version.
+CACHEABLE = {
+    "torchao.float8.float8_training_tensor.ScaledMMConfig": "torchao",
+    "torchao.float8.float8_training_tensor.LinearMMConfig": "torchao",
+    "torchao.float8.config.CastConfig": "torchao",
+    "torchao.float8.config.Float8GemmConfig": "torchao",
+    "torchao.float8.config.Float8LinearConfig": "torchao",
+    "torch._dynamo.variables.misc.trampoline_autograd_apply": "torch",
+}
+
+
+def _mark_cacheable(on: bool) -> None:
+    """Add (on) or remove inductor's cacheable marks of CACHEABLE."""
+    import torch._inductor.config as inductor_config  # private: the marks have no public setter
+
+    marks = inductor_config.unsafe_marked_cacheable_functions
+    for name, package in CACHEABLE.items():
+        if not on:
+            marks.pop(name, None)
+        elif (version := _version_of(package)) is not None:
+            marks[name] = f"{package} {version}"
+
+
+def _version_of(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _load_single_flight(key, *args, **kwargs):
     load_with_key = _torch["load_with_key"]
     held = getattr(_state, "held", None)
@@ -245,6 +321,7 @@ PATCHES = {  # key of a patched torch attribute (targets()) -> what replaces it
     "save_graph": _save_by_role_and_release,
     "after_deserialization": _deserialize_with_own_groups,
     "compile_fx_inner": _compile_fx_inner_tracking_locks,
+    "format_global": _format_global_naming_functions,
 }
 _torch: dict[str, Callable] = {}  # key -> torch's function, while the patches are installed
 _raw: dict[str, Any] = {}  # key -> the attribute as it was (a staticmethod stays one), to put back
@@ -269,6 +346,8 @@ def targets() -> dict[str, tuple[Any, str]]:
         "after_deserialization": (CompiledFxGraph, "after_deserialization"),
         # one compile of one graph (lookup, compile, save): where a failed compile's locks are let go
         "compile_fx_inner": (compile_fx, "_compile_fx_inner"),
+        # how the AOTAutograd key writes a global of a graph's code: where Float8's closures fail
+        "format_global": (_aot_pickler(), "_format_global_for_cache_key"),
     }
 
 
@@ -301,6 +380,7 @@ def install() -> bool:
     for key, (owner, name) in found.items():
         patch = _named_as(_torch[key], PATCHES[key]) if name == "__init__" else PATCHES[key]
         setattr(owner, name, staticmethod(patch) if isinstance(_raw[key], staticmethod) else patch)
+    _mark_cacheable(True)
     return True
 
 
@@ -319,6 +399,8 @@ def uninstall() -> None:
     for key, (owner, name) in targets().items():
         if key in _raw:
             setattr(owner, name, _raw[key])
+    if _torch:
+        _mark_cacheable(False)
     _torch.clear()
     _raw.clear()
 
