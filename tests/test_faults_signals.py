@@ -31,12 +31,24 @@ def _shard_lines(n: int) -> list[bytes]:
 
 
 # -------------------------------------------------------------- signals and the log (slow)
+def _as_from_a_terminal() -> None:
+    """SIGHUP at its default in the launcher, as a terminal starts it: pytest itself may run under
+    nohup (SIGHUP ignored, inherited), and a launcher keeps a SIGHUP it inherited ignored."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _run_recipe(out: Path, *sets: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "recipes", "run", ROW, "--out", str(out), "--set", "metrics.log_freq=1"]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launcher.base_env()
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=launcher.base_env(),
+        preexec_fn=_as_from_a_terminal,
     )
 
 
