@@ -313,3 +313,23 @@ def test_pointwise_products_read_two_tensors():
     assert len(products) == 2
     for probe in products:  # the lambda's tensors: two distinct ones
         assert len(probe.call.__code__.co_freevars) == 2, probe.label
+
+
+def test_profile_summary_counts_each_kernel_once():
+    """scripts/gpu_profile_one.py sums only device kernels: the op table also carries each
+    triton kernel's device time on its launcher row and each GEMM's on aten::mm, so counting
+    rows blindly gives more device time than the step lasted. Checked on the committed H200
+    profiles: the kinds add up to no more than the slowest steady step of the same run."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_profile_one", ROOT / "scripts" / "gpu_profile_one.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    folder = ROOT / "results" / "gpu" / "2026-11-27-nvidia-h200-6da30e3"
+    for precision in ("bf16", "float8"):
+        by_kind = profile.ms_by_kind(folder / f"profile_{precision}_8_blocks_ops.csv")
+        log = (folder / f"profile_{precision}_8_blocks.log").read_text()
+        steps = [float(s) for s in re.search(r"steps \[([^\]]+)\]", log).group(1).split(",")]
+        assert 0.8 * min(steps) * 1e3 <= by_kind.sum() <= max(steps) * 1e3, (precision, by_kind.sum(), steps)
+        assert {"gemm", "attention (cuDNN SDPA)", "optimizer + grad clip"} <= set(by_kind.index)
