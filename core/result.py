@@ -3,9 +3,7 @@ and what it measured; built from the loop's TrainOutcome and written atomically 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import importlib.metadata
 import platform
 import subprocess
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from core.fileio import atomic_write_json
 from core.metrics import device_info
 from core.models.args import ModelArgs, shape_record
 from core.parallel.schedule_sim import DEFAULT_COSTS, bubble_fraction
+from core.versions import installed_version
 
 
 def _git_commit(root: Path | None = None) -> str:
@@ -39,9 +38,8 @@ def _git_commit(root: Path | None = None) -> str:
 
 def versions() -> dict:
     out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
-    # the installed version, without importing torchao (only Float8 runs import it)
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        out["torchao"] = importlib.metadata.version("torchao")
+    if (torchao := installed_version("torchao")) is not None:
+        out["torchao"] = torchao
     return out
 
 

@@ -73,7 +73,7 @@ def test_off_leaves_inductor_unpatched_and_on_patches_it():
 # In a fresh process: one forward and backward of a compiled Float8 block, then this process's
 # AOTAutograd cache lookups (torchao's Float8 casts are autograd.Functions marked allow_in_graph).
 FLOAT8_BLOCK = """
-import json, sys
+import json
 import torch
 from core.config import Compile, load_config
 from core.models.llama3 import create_model
@@ -86,7 +86,7 @@ torch.manual_seed(0)
 model = create_model("tiny", vocab_size=512, max_seq_len=64, device="cpu")
 model.layers = torch.nn.ModuleDict({"0": model.layers["0"]})
 apply_float8(model, load_config(None, ["float8.enabled=true", "float8.emulate=true"]), Toggles())
-apply_compile(model, Compile(enabled=True, shared_cache=sys.argv[1]), Toggles(), "cpu")
+apply_compile(model, Compile(enabled=True, shared_cache="on"), Toggles(), "cpu")
 x = torch.randn(2, 64, model.layers["0"].attention.wq.in_features, requires_grad=True)
 freqs = model.freqs_cis[:64]
 model.layers["0"](x, freqs).sum().backward()
@@ -102,14 +102,14 @@ def test_a_float8_block_is_served_by_the_aot_autograd_cache_in_the_next_process(
     the next process hits, with the same gradients."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
-    def run(choice: str) -> dict:
+    def run() -> dict:
         proc = subprocess.run(
-            [sys.executable, "-c", FLOAT8_BLOCK, choice], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", FLOAT8_BLOCK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.splitlines()[-1])
 
-    cold, warm = run("on"), run("on")
+    cold, warm = run(), run()
     assert cold["aot"] == {"hit": 0, "miss": 1, "bypass": 0}, cold
     assert warm["aot"] == {"hit": 1, "miss": 0, "bypass": 0}, warm
     assert warm["grad"] == cold["grad"]

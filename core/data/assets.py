@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.metadata
 import itertools
 import os
 import struct
@@ -54,6 +53,7 @@ from core.data.store import (
 )
 from core.data.tokenizer import LLAMA3_PAT_STR, LLAMA3_TOKENIZER_SHA256, PROXY_TOKENIZER_SHA256, Tokenizer
 from core.fileio import atomic_write
+from core.versions import installed_version
 
 # The command's public names (the builders of the corpus and the paths are re-exported).
 __all__ = [
@@ -256,7 +256,7 @@ def build_proxy_tokenizer(
             "n_words_with_specials": vocab_size + 256,
             "matches_pinned_sha256": sha == PROXY_TOKENIZER_SHA256,
             "pattern": "Llama 3 split regex",
-            "trainer": f"rustbpe {getattr(rustbpe, '__version__', _dist_version('rustbpe'))}",
+            "trainer": f"rustbpe {getattr(rustbpe, '__version__', installed_version('rustbpe') or 'unknown')}",
             "trained_on": {k: v for k, v in corpus_files.items() if "c4-train" in k},
             "verified": f"tiktoken encode == trainer encode and decode(encode(x)) == x on {len(samples)} samples",
             "source": "trained at set-up on the offline corpus train split",
@@ -265,13 +265,6 @@ def build_proxy_tokenizer(
     )
     log(f"proxy tokenizer: wrote {out} (sha256 {sha[:12]}…, {time.time() - t0:.1f}s)")
     return out
-
-
-def _dist_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 # --------------------------------------------------------------------------------------------

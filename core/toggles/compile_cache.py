@@ -49,6 +49,8 @@ from typing import Any
 
 import filelock
 
+from core.versions import installed_version
+
 log = logging.getLogger(__name__)
 
 WAIT_S = 900.0  # longest wait for another rank's compile of the same graph (16 ranks on 2 cores: ~2 min)
@@ -196,8 +198,7 @@ def _autograd_function_of(obj: Any) -> type | None:
 def autograd_function_fingerprint(fn_cls: type) -> str:
     """What names an autograd.Function in a key: its path, its package's version, its module's source."""
     module = sys.modules[fn_cls.__module__]
-    package = sys.modules.get(fn_cls.__module__.split(".")[0])
-    version = getattr(package, "__version__", "?")
+    version = installed_version(fn_cls.__module__.split(".")[0]) or "?"
     try:
         source = hashlib.sha256(inspect.getsource(module).encode()).hexdigest()[:16]
     except (OSError, TypeError):  # no source file: the version alone
@@ -235,17 +236,8 @@ def _mark_cacheable(on: bool) -> None:
     for name, package in CACHEABLE.items():
         if not on:
             marks.pop(name, None)
-        elif (version := _version_of(package)) is not None:
+        elif (version := installed_version(package)) is not None:
             marks[name] = f"{package} {version}"
-
-
-def _version_of(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _load_single_flight(key, *args, **kwargs):
