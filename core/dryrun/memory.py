@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from core.dryrun import adamw
 from core.dryrun.activations import Shapes, head_memory, layer_memory, microbatches, shapes
 from core.dryrun.linears import float8_memory, fp8_all_gather
 from core.dryrun.stack import THIS_TRAINER, Stack
@@ -57,6 +58,7 @@ class StageParams:
     block_linear: int  # of which in linears (float8-able)
     root: int  # embedding and/or norm + output held by this TP rank
     total: int  # everything the stage holds on this TP rank
+    largest: int  # its largest parameter tensor on this TP rank (the for-loop optimizer's temporaries)
 
 
 def stage_params(args, layers: int, first: bool, last: bool, tp: int) -> StageParams:
@@ -64,7 +66,8 @@ def stage_params(args, layers: int, first: bool, last: bool, tp: int) -> StagePa
     linear = (2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 3 * d * args.ffn_hidden_dim) // tp
     block = linear + 2 * d  # RMSNorm weights are replicated over TP
     root = (args.vocab_size * d // tp if first else 0) + ((args.vocab_size * d // tp + d) if last else 0)
-    return StageParams(layers, first, last, block, linear, root, layers * block + root)
+    largest = max(args.vocab_size * d // tp if first or last else 0, args.ffn_hidden_dim * d // tp)
+    return StageParams(layers, first, last, block, linear, root, layers * block + root, largest)
 
 
 def rank_stages(cfg) -> list[list[tuple[int, list[int]]]]:
@@ -196,8 +199,10 @@ def _simulate_flat(
                 tl.add(grads=4 * stage.block / shard)
         if step == 0:
             tl.add(grads=4 * stage.root / shard)
-    # AdamW (foreach): one parameter-sized fp32 temporary (sqrt of the second moment).
-    tl.peak("optimizer step", working_set=4 * n / shard)
+    tl.peak(
+        "optimizer step",
+        working_set=adamw.temporary_bytes(cfg.optimizer.implementation, n / shard, stage.largest / shard),
+    )
     return tl
 
 
@@ -270,7 +275,12 @@ def _simulate_pipeline(
         )
     if any(stage.last for stage in by_id.values()):
         tl.peak("merge outputs", working_set=n_micro * logits)  # step()'s torch.cat of output_chunks
-    tl.peak("optimizer step", working_set=4 * total / shard)
+    tl.peak(
+        "optimizer step",
+        working_set=adamw.temporary_bytes(
+            cfg.optimizer.implementation, total / shard, max(st.largest for st in by_id.values()) / shard
+        ),
+    )
     return tl
 
 

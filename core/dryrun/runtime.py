@@ -32,7 +32,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.dryrun import accuracy, ring
+from core.dryrun import accuracy, adamw, ring
 from core.dryrun.activations import Shapes, microbatches, shapes
 from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
@@ -52,10 +52,6 @@ from core.parallel.reshard import reshard_after_forward
 
 # Flash attention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores).
 FLASH_BWD_OVER_FWD = 2.5
-# torch's foreach AdamW (not fused) in bytes per fp32 parameter: lerp of m (12), mul + addcmul
-# of v (24), weight decay (8), sqrt, divide, add eps (24), addcdiv into p (16); grad clipping
-# reads the gradient for its norm and scales it (12).
-OPTIMIZER_BYTES_PER_PARAM = 96
 
 
 # =============================================================================================
@@ -448,7 +444,7 @@ def _prediction(step: _Step, acc: _Acc, fb: float, bubble: float, params_local: 
 
     p, t, spec = step.cfg.parallelism, step.cfg.training, step.spec
     grad_norm = step.links["world"].small_all_reduce() * (2 if p.pp > 1 else 1)
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * params_local / step.shard / _Rates(spec).hbm
+    optimizer = adamw.bytes_per_param(step.cfg.optimizer.implementation) * params_local / step.shard / _Rates(spec).hbm
     acc.comm_add("grad_norm", grad_norm)
     precompute = 0.0
     if fp8_all_gather(step.cfg) and step.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:

@@ -27,6 +27,11 @@ class Stack:
     # compiling the loss fn if job_config.training.compile is set"); its model returns bf16
     # logits (the .float() moved into the loss), so a fused cross-entropy reads them in place.
     loss_compiled: bool = False
+    # torchtitan ran torch's default AdamW kernels, foreach on CUDA (PR 355's `optimizer.fused`
+    # defaulted to false), until PR 881 (pytorch/torchtitan 6e4988550, 2025-02-24, "use Fused
+    # AdamW as default"). A config setting, so applied to the figure's config, unless the figure
+    # names its implementation (recipes/report/perf_validation.py `software_settings`).
+    adamw_foreach: bool = False
 
 
 THIS_TRAINER = Stack()

@@ -131,10 +131,19 @@ def figures() -> list[Figure]:
         )
     fitted = set(calibrate.fitted_figures())
     for f in out:
-        f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", list(f.overrides))
+        f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", software_settings(f.stack, f.overrides))
         # A fit on a figure fits every figure of the same configuration on the same GPU.
         f.fitted = any(g.id in fitted and _same_run(f, g) for g in out)
     return out
+
+
+def software_settings(stack: dict, overrides: tuple[str, ...]) -> list[str]:
+    """The figure's settings, after those its software's defaults differ by from this trainer's
+    (core/dryrun/stack.py: the AdamW kernels of torchtitan before PR 881)."""
+    names = {o.split("=", 1)[0] for o in overrides}
+    if stack.get("adamw_foreach") and "optimizer.implementation" not in names:
+        return ['optimizer.implementation="foreach"', *overrides]
+    return list(overrides)
 
 
 def fit_targets() -> dict[str, tuple[object, float, object]]:

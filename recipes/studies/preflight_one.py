@@ -72,7 +72,10 @@ def _peak_tensor_gib(trainer, batch) -> float:
 def run_layout(cfg, steps: int, out: Path) -> tuple[list[float], float]:
     """The trainer's own loop (core.train.Trainer) for `steps` steps in this process: the steady
     step times, and the peak memory (CUDA: max reserved over the steady steps, the paper's
-    figure; CPU: the tensors' peak of one more step)."""
+    figure; CPU: the tensors' peak of one more step). On CUDA the caching allocator is emptied
+    first: what it kept from the layout before would count as this one's reserved memory."""
+    import gc
+
     import torch
 
     from core.train import Trainer, init_distributed
@@ -84,6 +87,10 @@ def run_layout(cfg, steps: int, out: Path) -> tuple[list[float], float]:
     cfg.metrics.progress = False
     cfg = validate(cfg, 1, check_files=False)
     init_distributed(cfg)
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     record = trainer.train()
     times = record["step_times_s"][1:]
