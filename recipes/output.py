@@ -345,6 +345,11 @@ def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
     root = _root_cause(lines)
     if root and root[1] < 0:
         return _killed(root[0], signal.Signals(-root[1]).name if -root[1] in set(signal.Signals) else str(-root[1]))
+    own = [line.strip() for line in lines if _OWN_LINE.match(line.strip())]
+    if root and own and all(_rank_of(line) != root[0] for line in own):
+        # torchrun observed first a rank that said no error of its own (a survivor failing on the
+        # lost connection before the failed rank's exit was seen): the first rank that said one.
+        return f"rank {_rank_of(own[0])}: {_OWN_LINE.match(own[0]).group(1)}"
     for pattern in (_OWN_LINE, _EXCEPTION):
         for line in reversed(lines):
             m = pattern.match(line.strip())
