@@ -8,6 +8,15 @@ compiled graphs call) through the fp32 GEMM instead: a product of two bf16 numbe
 fp32, both kernels accumulate in fp32 and round the result to bf16 once, so only the order of
 the summation differs. Written here because torch has no switch for it: the override is a CPU
 kernel registered for the two aten ops, in this process only, and removed again by "native".
+
+Float8 matmuls (`_scaled_mm`, what torchao's Float8 linears call) have a trouble of their own:
+on a CPU with AMX-int8 torch 2.13 sends them to oneDNN, whose float8 matmul there is its
+reference kernel (`ref:any`; 92 ms for 128x64x96, 53 s for 2048x256x768 on one AMX Xeon core),
+800-3000x slower than torch's own CPU emulation that every other
+x86 CPU runs (upcast to fp32, scale, fp32 GEMM, round once: aten/src/ATen/native/Blas.cpp
+`_scaled_mm_out_cpu_emulated`). `use_scaled_mm("fp32")` registers that emulation as the CPU kernel
+of `_scaled_mm` and `_scaled_mm.out` (compiled graphs call the latter), so Float8 on a CPU costs
+and computes the same on every machine class. CUDA tensors never reach a CPU kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 Bf16Gemm = Literal["auto", "native", "fp32"]
 
 _library: torch.library.Library | None = None  # the registered override; None: torch's kernels
+_scaled_library: torch.library.Library | None = None  # likewise for _scaled_mm
 
 
 def has_fast_bf16_gemm() -> bool:
@@ -95,3 +105,50 @@ def _mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Ten
 
 def _bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     return _into(out, _bmm(a, b))
+
+
+# ------------------------------------------------------------------------------- float8 matmuls
+def scaled_mm_active() -> Literal["native", "fp32"]:
+    return "native" if _scaled_library is None else "fp32"
+
+
+def use_scaled_mm(mode: Literal["native", "fp32"]) -> None:
+    """Install (fp32: torch's CPU emulation on every CPU) or remove (native) the `_scaled_mm`
+    override in this process; idempotent."""
+    global _scaled_library
+    if mode == scaled_mm_active():
+        return
+    if mode == "native":
+        _scaled_library._destroy()  # private, as above
+        _scaled_library = None
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
+        lib.impl("_scaled_mm", _scaled_mm, "CPU")
+        lib.impl("_scaled_mm.out", _scaled_mm_out, "CPU")
+    _scaled_library = lib
+
+
+def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """torch's `_scaled_mm_out_cpu_emulated`, op for op: each operand upcast to fp32 and multiplied
+    by its scale (one per tensor, or per row of a / column of b), an fp32 matmul, the bias added
+    in fp32, a float8 result divided by scale_result, one cast to the output dtype. use_fast_accum
+    only selects a CUDA kernel."""
+    del use_fast_accum
+    if not (a.dtype.is_floating_point and a.element_size() == 1 and b.element_size() == 1):
+        raise RuntimeError(f"_scaled_mm: expected float8 matrices, got {a.dtype} and {b.dtype}")
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    fa = a.contiguous().float() * (scale_a.item() if tensorwise else scale_a)
+    fb = b.contiguous().float() * (scale_b.item() if tensorwise else scale_b)
+    product = torch.matmul(fa, fb)
+    if bias is not None:
+        product.add_(bias)
+    dtype = out_dtype or a.dtype
+    if scale_result is not None and dtype.itemsize == 1:  # float8 output
+        product = product * (1 / scale_result.float()).item()  # fp32 1/x, as torch's `1 / float`
+    return product.to(dtype)
+
+
+def _scaled_mm_out(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out):
+    return _into(out, _scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype or out.dtype, use_fast_accum))

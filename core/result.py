@@ -152,6 +152,8 @@ def result_record(o: TrainOutcome) -> dict:
             "peak_flops": o.peak_flops,
             "peak_source": info["peak_source"],
             "bf16_gemm": cpu_gemm.active(),  # core.cpu_gemm: fp32 where the CPU has no fast bf16 GEMM
+            # core.cpu_gemm: CPU float8 matmuls in fp32 as torch emulates them (a GPU runs its own)
+            "scaled_mm": "native" if torch.cuda.is_available() else cpu_gemm.scaled_mm_active(),
         },
         "world_size": o.world_size,
         # the resolved shape: flavor + model.* overrides

@@ -18,6 +18,7 @@ BF16 = torch.bfloat16
 def _native_after():
     yield
     cpu_gemm.use("native")
+    cpu_gemm.use_scaled_mm("native")
 
 
 def _pair(*shape_a_b, dtype=BF16, seed=0):
@@ -96,3 +97,81 @@ def test_peak_measurement_is_bounded_on_a_slow_kernel():
     t = time.perf_counter()
     assert measure_cpu_peak_flops(BF16) > 0
     assert time.perf_counter() - t < 20
+
+
+F8 = torch.float8_e4m3fn
+
+
+def _scaled_cases():
+    """(name, args, kwargs) of _scaled_mm as torchao calls it, and the other forms torch accepts."""
+    g = torch.Generator().manual_seed(4)
+    a = (3 * torch.randn(96, 64, generator=g)).to(F8)
+    b = torch.randn(80, 64, generator=g).to(F8).t()  # column-major, as torchao passes it
+    sa, sb = torch.tensor(0.37), torch.tensor(1.9)
+    bias = torch.randn(80, generator=g).to(BF16)
+    yield "tensorwise", (a, b, sa, sb), {"out_dtype": BF16, "use_fast_accum": True}
+    yield "tensorwise fp32 out", (a, b, sa, sb), {"out_dtype": torch.float32}
+    yield "bias", (a, b, sa, sb), {"bias": bias, "out_dtype": BF16}
+    yield "float8 out", (a, b, sa, sb), {"scale_result": torch.tensor(3.3), "out_dtype": F8}
+    yield (
+        "rowwise",
+        (a, b, torch.rand(96, 1, generator=g) + 0.5, torch.rand(1, 80, generator=g) + 0.5),
+        {"out_dtype": BF16},
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == F8 else t
+
+
+def test_scaled_mm_route_is_torchs_own_cpu_emulation_bit_for_bit():
+    """The route computes what torch's CPU kernel computes where it does not hand the matmul to
+    oneDNN (torch.backends.mkldnn off selects that kernel on every CPU): equal bits, in the
+    functional and the out= form, and "native" gives torch's kernel back."""
+    for name, args, kwargs in _scaled_cases():
+        out = torch.empty(0, dtype=kwargs["out_dtype"])
+        with torch.backends.mkldnn.flags(enabled=False):
+            expected = torch._scaled_mm(*args, **kwargs)
+        cpu_gemm.use_scaled_mm("fp32")
+        assert cpu_gemm.scaled_mm_active() == "fp32"
+        assert all("core/cpu_gemm.py" in _cpu_kernel(op) for op in ("_scaled_mm", "_scaled_mm.out"))
+        routed, routed_out = torch._scaled_mm(*args, **kwargs), torch._scaled_mm(*args, **kwargs, out=out)
+        assert routed.dtype == expected.dtype and routed_out is out, name
+        assert torch.equal(_bits(routed), _bits(expected)) and torch.equal(_bits(out), _bits(expected)), name
+        cpu_gemm.use_scaled_mm("native")
+        assert not any("core/cpu_gemm.py" in _cpu_kernel(op) for op in ("_scaled_mm", "_scaled_mm.out"))
+
+
+def test_scaled_mm_route_costs_about_an_fp32_matmul():
+    """The reason for the route: torch 2.13 sends a CPU float8 matmul to oneDNN's reference kernel
+    on AMX CPUs (seconds for this shape). Routed, it costs an fp32 matmul of the same shape plus
+    the upcasts, on any CPU."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(512, 256, generator=g), torch.randn(256, 256, generator=g)
+    a8, b8, one = a.to(F8), b.t().contiguous().to(F8).t(), torch.tensor(1.0)
+
+    def best_of(fn, n=5):
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    fp32 = best_of(lambda: a @ b)
+    cpu_gemm.use_scaled_mm("fp32")
+    routed = best_of(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=BF16))
+    assert routed < 20 * fp32 + 2e-3, (routed, fp32)
+
+
+def test_real_float8_routes_cpu_float8_matmuls_and_emulation_leaves_them():
+    """apply_float8 installs the route unless torchao's own emulation (no _scaled_mm) is asked for."""
+    from core.config import load_config
+    from core.parallel.parallelize import Toggles
+    from core.toggles.float8 import apply_float8
+
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    apply_float8(lin, load_config(None, ["float8.enabled=true", "float8.emulate=true"]), Toggles())
+    assert cpu_gemm.scaled_mm_active() == "native"
+    apply_float8(lin, load_config(None, ["float8.enabled=true"]), Toggles())
+    assert cpu_gemm.scaled_mm_active() == "fp32"

@@ -16,11 +16,12 @@ Ordering: float8 conversion runs before TP, because torchao's float8-aware TP st
 all-gather the sequence-parallel activations in float8) only accept Float8Linear modules.
 
 Hardware: float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper); `check_toggle_hardware`
-refuses older GPUs before building. On CPU `torch._scaled_mm` runs float8_e4m3fn but far too
-slowly for a proxy (measured on a 2-core AMX Xeon: 2.2 s for a 1024x256x256 matmul, bf16 4 ms), so
-proxy rows set `float8.emulate` (torchao's emulation: the same float8 quantization of inputs and
-weights, the matmul in fp32); records name it `float8:emulated`. The parity suite and the
-loss-convergence rows keep the real `_scaled_mm` on their tiny dims.
+refuses older GPUs before building. On CPU `torch._scaled_mm` runs float8_e4m3fn through torch's
+own emulation (core/cpu_gemm.py routes it so on every CPU: torch 2.13 would send it to oneDNN's
+reference kernel on AMX CPUs, 800-3000x slower). Proxy rows set `float8.emulate` (torchao's
+emulation: the same float8 quantization of inputs and weights, the matmul in fp32, no
+`_scaled_mm`); records name it `float8:emulated`. The parity suite and the loss-convergence rows
+keep the real `_scaled_mm` on their tiny dims.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from core import cpu_gemm
 from core.config import ConfigError, JobConfig
 from core.noise import quiet_library_warnings
 
@@ -110,6 +112,8 @@ def apply_float8(model: nn.Module, cfg: JobConfig, toggles) -> nn.Module:
     if f.recipe not in RECIPES:
         raise ConfigError(f"float8.recipe: {f.recipe!r} is not one of: {', '.join(RECIPES)}")
     convert_to_float8_training(model, config=float8_config(cfg), module_filter_fn=module_filter(cfg))
+    if not f.emulate:  # CPU float8 matmuls as torch emulates them on every CPU (core/cpu_gemm.py)
+        cpu_gemm.use_scaled_mm("fp32")
     converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
     if not converted:
         toggles.skip("float8", "no linear passed the filter (filter_fqns, dims divisible by 16)")
