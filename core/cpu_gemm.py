@@ -12,11 +12,11 @@ kernel registered for the two aten ops, in this process only, and removed again 
 Float8 matmuls (`_scaled_mm`, what torchao's Float8 linears call) have a trouble of their own:
 on a CPU with AMX-int8 torch 2.13 sends them to oneDNN, whose float8 matmul there is its
 reference kernel (`ref:any`; 92 ms for 128x64x96, 53 s for 2048x256x768 on one AMX Xeon core),
-800-3000x slower than torch's own CPU emulation that every other
-x86 CPU runs (upcast to fp32, scale, fp32 GEMM, round once: aten/src/ATen/native/Blas.cpp
-`_scaled_mm_out_cpu_emulated`). `use_scaled_mm("fp32")` registers that emulation as the CPU kernel
-of `_scaled_mm` and `_scaled_mm.out` (compiled graphs call the latter), so Float8 on a CPU costs
-and computes the same on every machine class. CUDA tensors never reach a CPU kernel.
+800-3000x slower than torch's own CPU emulation that every other x86 CPU runs (upcast to fp32,
+scale, fp32 GEMM, round once: aten/src/ATen/native/Blas.cpp `_scaled_mm_out_cpu_emulated`).
+`use_scaled_mm("fp32")` registers that emulation as the CPU kernel of `_scaled_mm` and
+`_scaled_mm.out` (compiled graphs call the latter), so Float8 on a CPU costs and computes the
+same on every machine class. CUDA tensors never reach a CPU kernel.
 """
 
 from __future__ import annotations
@@ -60,12 +60,17 @@ def use(mode: Literal["native", "fp32"]) -> None:
         _library._destroy()  # private: a Library cannot be removed publicly; torch's kernels come back
         _library = None
         return
+    _library = _cpu_kernels({"mm": _mm, "mm.out": _mm_out, "bmm": _bmm, "bmm.out": _bmm_out})
+
+
+def _cpu_kernels(kernels: dict) -> torch.library.Library:
+    """Register each aten op's CPU kernel in a Library of this process (destroying it restores torch's)."""
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
-        for name, kernel in (("mm", _mm), ("mm.out", _mm_out), ("bmm", _bmm), ("bmm.out", _bmm_out)):
+        for name, kernel in kernels.items():
             lib.impl(name, kernel, "CPU")
-    _library = lib
+    return lib
 
 
 @contextmanager
@@ -122,12 +127,7 @@ def use_scaled_mm(mode: Literal["native", "fp32"]) -> None:
         _scaled_library._destroy()  # private, as above
         _scaled_library = None
         return
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
-        lib.impl("_scaled_mm", _scaled_mm, "CPU")
-        lib.impl("_scaled_mm.out", _scaled_mm_out, "CPU")
-    _scaled_library = lib
+    _scaled_library = _cpu_kernels({"_scaled_mm": _scaled_mm, "_scaled_mm.out": _scaled_mm_out})
 
 
 def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
