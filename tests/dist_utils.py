@@ -8,8 +8,13 @@ start-up (~10-20 s per torchrun on 2 cores) dominates the tiny jobs.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import zlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import filelock
 
 from core.config import load_config
 from core.validate import validate
@@ -61,6 +66,29 @@ def run_trainer(
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise RuntimeError(f"trainer failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
     return json.loads((out_dir / "result.json").read_text())
+
+
+def once_per_session(key: str, tmp_path_factory, compute: Callable[[Path], dict]) -> dict:
+    """`compute(folder)` once per pytest run, even where pytest-xdist splits the files among workers:
+    the first worker to ask runs it under a file lock and leaves its JSON result in the run's shared
+    temp folder; the others wait for the lock and read it. A compute that raises leaves nothing.
+    The result is JSON either way, so a test reads the same types with or without workers."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return json.loads(json.dumps(compute(tmp_path_factory.mktemp(key))))
+    shared = tmp_path_factory.getbasetemp().parent / "shared"  # basetemp: <run>/popen-gw<N>, per worker
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{key}.json"
+    with filelock.FileLock(str(shared / f"{key}.lock")):
+        if done.is_file():
+            return json.loads(done.read_text())
+        text = json.dumps(compute(shared / key))
+        done.write_text(text)
+        return json.loads(text)
+
+
+def group_key(kind: str, world: int, names: Iterable[str]) -> str:
+    """once_per_session's key of a group of jobs: the same jobs get the same key on every worker."""
+    return f"{kind}_w{world}_{zlib.crc32(' '.join(sorted(names)).encode()):08x}"
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
@@ -122,8 +150,11 @@ class JobGroups:
         if name not in self.records:
             world = self.jobs[name][0]
             group = {n: o for n, (w, o) in self.jobs.items() if w == world and n not in self.records}
-            out = tmp_path_factory.mktemp(f"group_w{world}")
-            self.records |= run_group(world, group, out, strict=False)
+
+            def run(out: Path) -> dict:
+                return run_group(world, group, out, strict=False)
+
+            self.records |= once_per_session(group_key("group", world, group), tmp_path_factory, run)
         rec = self.records[name]
         if "error" in rec:
             raise RuntimeError(f"{name}: the trainer job failed:\n{rec['error']}")

@@ -254,13 +254,14 @@ def test_hf_export_matches_transformers_logits(base, tmp_path):
 
 def test_checkpoint_overhead_bench(pg, tmp_path):
     out = tmp_path / "checkpoint_overhead.csv"
-    rows = run_checkpoint_bench(out, flavor="tiny", steps=5, interval=1, work_dir=tmp_path)
+    # 7 in-loop saves, medians: the suite's other worker may be running 16 ranks on these cores
+    rows = run_checkpoint_bench(out, flavor="tiny", steps=9, interval=1, work_dir=tmp_path)
     with open(out) as f:
         table = list(csv.reader(f))
     assert tuple(table[0]) == COLUMNS
     modes = {r[0]: (float(r[1]), float(r[2])) for r in table[1:]}
     assert set(modes) == {"sync", "async", "async_with_pinned_mem"}
-    assert all(r["saves"] == 3 for r in rows)
+    assert all(r["saves"] == 7 for r in rows)
     assert modes["async"][0] < modes["sync"][0]  # the copy to memory is cheaper than the write
     assert all(total >= blocking > 0 for blocking, total in modes.values())
 
