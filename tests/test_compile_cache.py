@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from core.config import ConfigError, load_config
 from core.toggles import compile_cache
@@ -135,3 +136,32 @@ def test_an_autograd_function_is_named_in_a_key_by_class_version_and_source():
         assert fmt("torch", __import__("torch")) == "import torch"  # everything else as torch writes it
     finally:
         compile_cache.uninstall()
+
+
+def test_a_mesh_saved_by_role_loads_as_this_jobs_mesh_of_those_dims():
+    """What an AOTAutograd entry saved by role gets back on load: this job's mesh of the same dims,
+    refused (a cache miss) where its shape or device differs or no job mesh is registered."""
+    from types import SimpleNamespace
+
+    from core.toggles import group_roles
+
+    def mesh(shape):
+        return SimpleNamespace(device_type="cpu", mesh=torch.zeros(shape))
+
+    views = {("tp",): mesh((2,)), ("dp_shard", "cp"): mesh((2, 2))}
+    try:
+        group_roles.name_groups({"tp": "27", "cp": "41"}, views.__getitem__)
+        assert group_roles.roles_of(("41", "27")) == ("cp", "tp")
+        assert group_roles.roles_of(("27", "99")) is None  # a group without a role: nothing shared
+        assert group_roles.job_mesh("cpu", ("tp",), (2,)) is views[("tp",)]
+        assert group_roles.job_mesh("cpu", ["dp_shard", "cp"], [2, 2]) is views[("dp_shard", "cp")]
+        with pytest.raises(RuntimeError, match=r"\(4,\)"):
+            group_roles.job_mesh("cpu", ("tp",), (4,))
+        with pytest.raises(RuntimeError, match="cuda"):
+            group_roles.job_mesh("cuda", ("tp",), (2,))
+        group_roles.name_groups({"tp": "27"})  # roles without a job mesh: keys keep the raw names
+        assert group_roles.roles_of(("27",)) is None
+        with pytest.raises(RuntimeError, match="no job mesh"):
+            group_roles.job_mesh("cpu", ("tp",), (2,))
+    finally:
+        group_roles.name_groups({})

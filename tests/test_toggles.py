@@ -24,7 +24,7 @@ from core.models.llama3 import create_model
 from core.parallel.parallelize import Toggles
 from core.reference import reference_run
 from core.toggles import compile as compile_mod
-from core.toggles import compile_cache
+from core.toggles import group_roles
 from core.toggles.activation_checkpoint import apply_ac, wrap_block
 from core.toggles.compile import compile_block
 from core.toggles.float8 import apply_float8, post_optimizer_hook
@@ -214,34 +214,36 @@ def test_group_names_are_written_by_role_in_keys_and_saved_code():
         "x = foo('27')  # not an op call\n"
     )
     try:
-        compile_cache.name_groups({"tp": "27", "cp": "41", "dp_cp": "41"})  # dp_cp is cp's group here
-        assert compile_cache.canonical_code(code) is None  # '27' outside an op call
+        group_roles.name_groups({"tp": "27", "cp": "41", "dp_cp": "41"})  # dp_cp is cp's group here
+        assert group_roles.canonical_code(code) is None  # '27' outside an op call
         ops = code.rsplit("x = ", 1)[0]
-        by_role = compile_cache.canonical_code(ops)
+        by_role = group_roles.canonical_code(ops)
         assert "'titan-group:tp'" in by_role and "'titan-group:cp'" in by_role and "dp_cp" not in by_role
         assert "'27'" not in by_role and "'41'" not in by_role and "'sum'" in by_role
-        compile_cache.name_groups({"tp": "28", "cp": "43"})  # a rank of other groups loads it
-        assert compile_cache.local_code(by_role) == ops.replace("'27'", "'28'").replace("'41'", "'43'")
-        compile_cache.name_groups({"tp": "28"})
+        group_roles.name_groups({"tp": "28", "cp": "43"})  # a rank of other groups loads it
+        assert group_roles.local_code(by_role) == ops.replace("'27'", "'28'").replace("'41'", "'43'")
+        group_roles.name_groups({"tp": "28"})
         with pytest.raises(RuntimeError, match="'cp'"):
-            compile_cache.local_code(by_role)
+            group_roles.local_code(by_role)
     finally:
-        compile_cache.name_groups({})
-    assert compile_cache.canonical_code(code) == code  # no groups registered: code as it is
+        group_roles.name_groups({})
+    assert group_roles.canonical_code(code) == code  # no groups registered: code as it is
 
 
 @pytest.mark.slow
 def test_ranks_of_two_tp_groups_share_compiles_and_a_warm_rerun_loads_its_own_groups(tmp_path):
     """TP 2 x DP 2, cold: the four ranks start each compile at once and one compiles it for all
     of them, across the two TP groups (torch 2.13 alone: every rank misses, the key changes with
-    the process; with a stable key and a lock alone: once per TP group). A warm rerun loads every
-    graph; before the AOTAutograd key named the mesh's groups it loaded the other group's graph
-    and failed ("Could not resolve the process group")."""
+    the process; with a stable key and a lock alone: once per TP group). AOTAutograd traces once
+    per TP coordinate, not once per rank: its entry, keyed by the mesh's roles and this rank's
+    coordinate, serves the same coordinate of the other TP group, with that rank's own groups and
+    mesh (loading the other group's names failed: "Could not resolve the process group")."""
     job = [*_world2_job(2), "--parallelism.dp_shard=2", "--parallelism.tp=2", "--compile.enabled=true"]
     job = [o for o in job if "training.steps" not in o] + ["--training.steps=3"]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     cold = run_trainer(4, job, tmp_path / "cold", env=env)
     assert cold["fxgraph_cache_all_ranks"] == {"hit": 6, "miss": 2, "bypass": 0}, cold  # forward, backward
+    assert cold["aot_autograd_cache_all_ranks"] == {"hit": 2, "miss": 2, "bypass": 0}, cold
     warm = run_trainer(4, job, tmp_path / "warm", env=env)
     assert warm["aot_autograd_cache_all_ranks"] == {"hit": 4, "miss": 0, "bypass": 0}, warm
     assert warm["fxgraph_cache_all_ranks"]["miss"] == 0

@@ -48,7 +48,15 @@ def parallelize(model: nn.Module, mesh: WorldMesh, dims: ParallelDims, cfg: JobC
         )
     if cfg.compile.enabled:
         casts = wants_precision_casts(cfg)  # rowwise Float8 (pytorch#150859)
-        apply_compile(model, cfg.compile, toggles, mesh.root.device_type, group_roles(mesh), precision_casts=casts)
+        apply_compile(
+            model,
+            cfg.compile,
+            toggles,
+            mesh.root.device_type,
+            group_roles(mesh),
+            precision_casts=casts,
+            meshes=mesh.__getitem__,
+        )
     if dims.fsdp_enabled:
         t, p = cfg.training, cfg.parallelism
         apply_fsdp(

@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from core.config import Compile
 from core.toggles import compile_cache
+from core.toggles.group_roles import name_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
@@ -122,12 +125,13 @@ def apply_compile(
     device_type: str,
     group_roles: dict[str, str] | None = None,
     precision_casts: bool = False,
+    meshes: Callable[[tuple[str, ...]], Any] | None = None,
 ) -> nn.Module:
     """Replace each block of model.layers by its compiled version, in place. Returns model.
 
     `device_type` (the mesh's) resolves `cfg.shared_cache`; `group_roles` (mesh dim -> this
-    rank's group name) lets ranks of different TP/CP groups share one compiled graph
-    (compile_cache.name_groups). Inductor's `emulate_precision_casts` is on when
+    rank's group name) and `meshes` (this job's mesh of some dim names) let ranks of different
+    TP/CP groups share one compiled graph (core/toggles/group_roles.py). Inductor's `emulate_precision_casts` is on when
     `cfg.emulate_precision_casts` or `precision_casts` (rowwise Float8: core/toggles/float8.py
     wants_precision_casts) asks for it, and recorded as compile:emulate_precision_casts.
 
@@ -142,7 +146,7 @@ def apply_compile(
     ensure_cache_dir()
     compile_cache.use(compile_cache.wanted(cfg.shared_cache, device_type))
     probe_cpu_isas_in_background()
-    compile_cache.name_groups(group_roles or {})
+    name_groups(group_roles or {}, meshes)
     if cfg.emulate_precision_casts or precision_casts:
         import torch._inductor.config as inductor_config  # ~1 s import: compile runs only; no public switch
 

@@ -10,15 +10,16 @@ in torch 2.13 stop that:
    Whatever a graph bakes in from the real mesh (coordinates, group names) is in its code, which
    the key hashes anyway.
 2. A TP or CP graph names its process group in its code ('27' on ranks 0-1, '28' on ranks 2-3),
-   so ranks of different groups compile one program apart from that name. Groups registered by
-   role (`name_groups`: mesh dim -> this rank's group) are written as their role in the key and
-   in the saved code, and a rank that loads the code puts its own group back (the 16-rank 4D row
-   compiles 4 distinct graphs instead of 32). The AOTAutograd entry above an FX graph keeps a
-   copy of the backward graph with the raw names, so its key has the mesh's group names: ranks of
-   other groups never load it (that is what broke a warm TP 2 x DP 2 rerun: "Could not resolve
-   the process group").
+   so ranks of different groups compile one program apart from that name; its AOTAutograd entry
+   pickles the DeviceMesh of its DTensors whole (rank, coordinates, group names). Groups and
+   meshes registered by role (core/toggles/group_roles.py) are written as their role in both keys,
+   in the saved code and in the saved entry; a rank that loads them gets its own groups and mesh
+   back (the 16-rank 4D row compiles 4 distinct graphs instead of 32, and traces them 4 times
+   instead of 16). Without a registered job mesh the AOTAutograd key keeps the raw group names.
 3. The ranks compile at the same moment, so all of them miss. A file lock per key lets the first
-   rank compile and save while the others wait for it, then load its graph (single flight).
+   rank compile and save while the others wait for it, then load its graph (single flight): per
+   AOTAutograd entry (the whole trace and compile of a block, its backward lowered at once rather
+   than at the first backward, so the lock is never held across a collective) and per FX graph.
 4. A graph that calls an autograd.Function marked allow_in_graph (torchao's Float8 casts and
    matmul) holds it through a closure Dynamo makes per call, which the AOTAutograd key cannot
    name: every rank of every run bypasses that cache and re-traces the joint graph (6 s of a
@@ -41,7 +42,7 @@ import hashlib
 import inspect
 import logging
 import os
-import re
+import pickle
 import sys
 import threading
 from collections.abc import Callable
@@ -49,57 +50,13 @@ from typing import Any
 
 import filelock
 
+from core.toggles.group_roles import GROUP_TOKEN, canonical_code, job_mesh, local_code, registered, roles_of
 from core.versions import installed_version
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 900.0  # longest wait for another rank's compile of the same graph (16 ranks on 2 cores: ~2 min)
-_state = threading.local()  # .held: key -> lock, for the compile running on this thread
-GROUP_TOKEN = "titan-group:"  # a role as written in keys and saved code: 'titan-group:tp'
-_role_of_name: dict[str, str] = {}  # this process's group name -> role
-_name_of_role: dict[str, str] = {}
-_OP_LINE = re.compile(r"^.*torch\.ops\..*$", re.M)  # group names are arguments of c10d/symm_mem ops
-_TOKEN = re.compile(r"'" + GROUP_TOKEN + r"(\w+)'")
-
-
-def name_groups(roles: dict[str, str]) -> None:
-    """This process's groups by role (mesh dim or flattened view -> group name), replacing any
-    earlier job's. A group under two roles keeps the first: every rank registers in one order."""
-    _role_of_name.clear()
-    _name_of_role.clear()
-    for role, name in roles.items():
-        if name not in _role_of_name:
-            _role_of_name[name] = role
-            _name_of_role[role] = name
-
-
-def canonical_code(code: str) -> str | None:
-    """`code` with every registered group name in an op call written as its role; None if a
-    registered name is left elsewhere (then nothing is shared: the code keeps its raw names)."""
-    if not _role_of_name:
-        return code
-
-    def line(m: re.Match) -> str:
-        text = m.group(0)
-        for name, role in _role_of_name.items():
-            text = text.replace(repr(name), repr(GROUP_TOKEN + role))
-        return text
-
-    out = _OP_LINE.sub(line, code)
-    return None if any(repr(name) in out for name in _role_of_name) else out
-
-
-def local_code(code: str) -> str:
-    """Saved code with this process's group put back for each role."""
-
-    def name(m: re.Match) -> str:
-        if m.group(1) not in _name_of_role:
-            raise RuntimeError(f"compiled code from the cache uses group role {m.group(1)!r}, not registered here")
-        return repr(_name_of_role[m.group(1)])
-
-    return _TOKEN.sub(name, code)
-
-
+_state = threading.local()  # .held / .aot_held: key -> lock, for the compile running on this thread
 CACHES = {"fxgraph": ("inductor", "fxgraph_cache_"), "aot_autograd": ("aot_autograd", "autograd_cache_")}
 
 
@@ -132,10 +89,15 @@ def cache_key_part(*parts):
 
 
 def _mesh_reduce(mesh, with_groups: bool = False):
-    """A DeviceMesh in a key: (device type, dim names, shape), plus its groups' names in an
-    AOTAutograd key (that entry keeps a graph with the raw names, see the module doc)."""
-    # private: a mesh's group names, without creating groups (no public accessor)
-    groups = tuple(getattr(mesh, "_dim_group_names", ())) if with_groups else ()
+    """A DeviceMesh in a key: (device type, dim names, shape), plus in an AOTAutograd key this
+    rank's coordinate and its groups' roles, or their names where they have none: that entry's
+    graphs can depend on both (a DTensor all_to_all's split sizes follow the coordinate)."""
+    groups: tuple = ()
+    if with_groups:
+        # private: a mesh's group names, without creating groups (no public accessor)
+        names = tuple(getattr(mesh, "_dim_group_names", ()))
+        roles = roles_of(names)
+        groups = (names if roles is None else (GROUP_TOKEN, *roles), tuple(mesh.get_coordinate() or ()))
     return cache_key_part, (mesh.device_type, mesh.mesh_dim_names, tuple(mesh.mesh.shape), groups)
 
 
@@ -145,6 +107,17 @@ def _lock_path(key: str) -> str:
     folder = os.path.join(cache_dir(), "titan_fxgraph_locks")
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, f"{key}.lock")
+
+
+def _acquire(key: str) -> filelock.FileLock | None:
+    """The lock of `key`, held; None after WAIT_S (this rank then compiles alone)."""
+    lock = filelock.FileLock(_lock_path(key))
+    try:
+        lock.acquire(timeout=WAIT_S)
+    except filelock.Timeout:
+        log.warning("compile cache: waited %.0f s for another rank's compile; compiling here", WAIT_S)
+        return None
+    return lock
 
 
 # --------------------------------------------------------------------------- the patches
@@ -240,16 +213,21 @@ def _mark_cacheable(on: bool) -> None:
             marks[name] = f"{package} {version}"
 
 
+def _lower_backward_at_once(on: bool) -> None:
+    """AOTAutograd lowers a backward at its first call by default, so its entry is saved then, after
+    collectives: on, the whole entry is made inside the block's compile (under its lock)."""
+    import torch._functorch.config as functorch_config  # public module, this flag has no other setter
+
+    functorch_config.force_non_lazy_backward_lowering = on
+
+
 def _load_single_flight(key, *args, **kwargs):
     load_with_key = _torch["load_with_key"]
     held = getattr(_state, "held", None)
     if held is None or key in held:  # outside a compile (AOTAutograd's own lookups): no lock
         return load_with_key(key, *args, **kwargs)
-    lock = filelock.FileLock(_lock_path(key))
-    try:
-        lock.acquire(timeout=WAIT_S)
-    except filelock.Timeout:
-        log.warning("compile cache: waited %.0f s for another rank's compile; compiling here", WAIT_S)
+    lock = _acquire(key)
+    if lock is None:
         return load_with_key(key, *args, **kwargs)
     try:
         graph, info = load_with_key(key, *args, **kwargs)
@@ -305,6 +283,80 @@ def _compile_fx_inner_tracking_locks(*args, **kwargs):
         _state.held = outer
 
 
+# ------------------------------------------------------------- AOTAutograd entries by role
+def _compile_fx_tracking_aot_locks(*args, **kwargs):
+    """One block's compile (Dynamo's backend): an AOTAutograd lock it took is let go by its end."""
+    outer = getattr(_state, "aot_held", None)
+    if outer is not None:  # inductor calls itself: the outermost call owns the locks
+        return _torch["compile_fx"](*args, **kwargs)
+    _state.aot_held = {}
+    try:
+        return _torch["compile_fx"](*args, **kwargs)
+    finally:
+        for lock in _state.aot_held.values():  # not saved (a failure, a bypass): let the others in
+            lock.release()
+        _state.aot_held = None
+
+
+def _aot_lookup_single_flight(key, *args, **kwargs):
+    lookup = _torch["aot_lookup"]
+    held = getattr(_state, "aot_held", None)
+    if held is None or key in held:
+        return lookup(key, *args, **kwargs)
+    lock = _acquire(key)
+    if lock is None:
+        return lookup(key, *args, **kwargs)
+    try:
+        found = lookup(key, *args, **kwargs)
+    except BaseException:
+        lock.release()
+        raise
+    if found is None:
+        held[key] = lock  # this rank traces and compiles it: the others wait until it is saved
+    else:
+        lock.release()
+    return found
+
+
+def _aot_save_and_release(key, *args, **kwargs):
+    try:
+        return _torch["aot_save"](key, *args, **kwargs)
+    finally:
+        lock = (getattr(_state, "aot_held", None) or {}).pop(key, None)
+        if lock is not None:
+            lock.release()
+
+
+class _EntryPickler(pickle.Pickler):
+    """Pickles an AOTAutograd entry with each DeviceMesh as its dims, loaded as this job's mesh."""
+
+    def reducer_override(self, obj):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(obj, DeviceMesh) or not registered():
+            return NotImplemented
+        if roles_of(tuple(getattr(obj, "_dim_group_names", ()))) is None:  # private, as in _mesh_reduce
+            raise pickle.PicklingError("a mesh of groups without a role: its entry would carry this rank's")
+        return job_mesh, (obj.device_type, tuple(obj.mesh_dim_names or ()), tuple(obj.mesh.shape))
+
+
+def _pickle_entry_by_role(entry, remote):
+    import io
+
+    import torch
+
+    if not registered():
+        return _torch["aot_pickle_entry"](entry, remote)
+    buf = io.BytesIO()
+    try:
+        with torch.utils._python_dispatch._disable_current_modes():  # private: as torch pickles an entry
+            _EntryPickler(buf).dump(entry)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        log.info("compile cache: AOTAutograd entry not saved (%s)", e)
+        return None
+    return buf.getvalue()
+
+
 PATCHES = {  # key of a patched torch attribute (targets()) -> what replaces it
     "reduce_script_object": _reduce_script_object_stably,
     "reduce_graph_module": _reduce_graph_module_by_role,
@@ -314,6 +366,10 @@ PATCHES = {  # key of a patched torch attribute (targets()) -> what replaces it
     "after_deserialization": _deserialize_with_own_groups,
     "compile_fx_inner": _compile_fx_inner_tracking_locks,
     "format_global": _format_global_naming_functions,
+    "compile_fx": _compile_fx_tracking_aot_locks,
+    "aot_lookup": _aot_lookup_single_flight,
+    "aot_save": _aot_save_and_release,
+    "aot_pickle_entry": _pickle_entry_by_role,
 }
 _torch: dict[str, Callable] = {}  # key -> torch's function, while the patches are installed
 _raw: dict[str, Any] = {}  # key -> the attribute as it was (a staticmethod stays one), to put back
@@ -323,6 +379,7 @@ def targets() -> dict[str, tuple[Any, str]]:
     """The private torch attributes the patches replace: key -> (owner, attribute name)."""
     # private modules: inductor's compile entry point, cache and compiled artifact (no public API)
     import torch._inductor.compile_fx as compile_fx
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._inductor.codecache import FxGraphCache, FxGraphCachePickler
     from torch._inductor.output_code import CompiledFxGraph
 
@@ -340,6 +397,12 @@ def targets() -> dict[str, tuple[Any, str]]:
         "compile_fx_inner": (compile_fx, "_compile_fx_inner"),
         # how the AOTAutograd key writes a global of a graph's code: where Float8's closures fail
         "format_global": (_aot_pickler(), "_format_global_for_cache_key"),
+        # one block's compile, Dynamo's backend (resolved at each call): where AOTAutograd locks end
+        "compile_fx": (compile_fx, "compile_fx"),
+        # one AOTAutograd lookup, save, and pickling of an entry: no public hooks around them
+        "aot_lookup": (AOTAutogradCache, "_lookup"),
+        "aot_save": (AOTAutogradCache, "save"),
+        "aot_pickle_entry": (AOTAutogradCache, "_pickle_entry"),
     }
 
 
@@ -373,6 +436,7 @@ def install() -> bool:
         patch = _named_as(_torch[key], PATCHES[key]) if name == "__init__" else PATCHES[key]
         setattr(owner, name, staticmethod(patch) if isinstance(_raw[key], staticmethod) else patch)
     _mark_cacheable(True)
+    _lower_backward_at_once(True)
     return True
 
 
@@ -393,6 +457,7 @@ def uninstall() -> None:
             setattr(owner, name, _raw[key])
     if _torch:
         _mark_cacheable(False)
+        _lower_backward_at_once(False)
     _torch.clear()
     _raw.clear()
 
