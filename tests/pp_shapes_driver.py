@@ -6,7 +6,7 @@ tests/test_pp_static.py). For each job, in one torchrun group:
 2. a Trainer with static shapes runs one step under TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch
    checks every microbatch's tensors (activations and gradients, sent and received) against them.
 
-    torchrun --nproc_per_node=W tests/pp_shapes_driver.py PLAN.json
+    python -m recipes.forked_run --standalone --nproc_per_node=W -m tests.pp_shapes_driver PLAN.json
     PLAN.json: {"root": dir, "jobs": [{"name": str, "overrides": [...]}, ...]}
     -> <root>/<name>/rank_<R>.json: {"stages": {stage id: [differences]}, "dynamic_loss", "static_loss"}
 """
@@ -58,9 +58,12 @@ def _one_step(cfg) -> tuple:
     return trainer, trainer.train_step([batch]).loss
 
 
+def before_fork(argv: list[str]) -> None:
+    """recipes/forked_run.py calls it before forking the ranks: the trainer, imported once."""
+    import core.train  # noqa: F401
+
+
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
     from core.config import load_config

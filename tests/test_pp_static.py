@@ -214,7 +214,7 @@ def _shape_reports(world: int, jobs: dict[str, list[str]], root: Path) -> dict[s
     root.mkdir(parents=True, exist_ok=True)
     plan = {"root": str(root), "jobs": [{"name": n, "overrides": o} for n, o in jobs.items()]}
     (root / "plan.json").write_text(json.dumps(plan))
-    cmd = torchrun_command(world, [str(ROOT / "tests" / "pp_shapes_driver.py"), str(root / "plan.json")])
+    cmd = torchrun_command(world, ["-m", "tests.pp_shapes_driver", str(root / "plan.json")], forked=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=dist_env(world), capture_output=True, text=True, timeout=1800)
     (root / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
