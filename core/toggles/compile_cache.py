@@ -50,7 +50,15 @@ from typing import Any
 
 import filelock
 
-from core.toggles.group_roles import GROUP_TOKEN, canonical_code, job_mesh, local_code, registered, roles_of
+from core.toggles.group_roles import (
+    GROUP_TOKEN,
+    canonical_code,
+    job_mesh,
+    local_code,
+    names_unregistered_groups,
+    registered,
+    roles_of,
+)
 from core.versions import installed_version
 
 log = logging.getLogger(__name__)
@@ -257,6 +265,7 @@ def _save_by_role_and_release(key, compiled_graph, *args, **kwargs):
         if saved is None:  # a group name outside an op call: the key may be by role, the code not
             log.warning("compile cache: graph %s names a group outside an op call; not saved", key)
             return None
+        _not_by_role_if_unregistered(saved)
         compiled_graph.source_code = saved  # _save_graph pickles a copy of it
         return save_graph(key, compiled_graph, *args, **kwargs)
     finally:
@@ -265,11 +274,20 @@ def _save_by_role_and_release(key, compiled_graph, *args, **kwargs):
         _release(key)
 
 
+def _not_by_role_if_unregistered(code: str) -> None:
+    """A graph that names a group without a role (its FX key names it too) keeps the AOTAutograd
+    entry of this compile from being saved: that entry's key has roles, and would serve it to ranks
+    of other groups."""
+    if names_unregistered_groups(code):
+        _state.entry_by_role = False
+
+
 def _deserialize_with_own_groups(self, *args, **kwargs):
     if GROUP_TOKEN in self.source_code:
         self.source_code = local_code(self.source_code)
         # its own module file: ranks of other groups load the same key with other names
         self.cache_key += hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
+    _not_by_role_if_unregistered(self.source_code)
     return _torch["after_deserialization"](self, *args, **kwargs)
 
 
@@ -289,7 +307,7 @@ def _compile_fx_tracking_aot_locks(*args, **kwargs):
     outer = getattr(_state, "aot_held", None)
     if outer is not None:  # inductor calls itself: the outermost call owns the locks
         return _torch["compile_fx"](*args, **kwargs)
-    _state.aot_held = {}
+    _state.aot_held, _state.entry_by_role = {}, True
     try:
         return _torch["compile_fx"](*args, **kwargs)
     finally:
@@ -347,6 +365,9 @@ def _pickle_entry_by_role(entry, remote):
 
     if not registered():
         return _torch["aot_pickle_entry"](entry, remote)
+    if not getattr(_state, "entry_by_role", True):
+        log.info("compile cache: AOTAutograd entry not saved (its graphs name a group without a role)")
+        return None
     buf = io.BytesIO()
     try:
         with torch.utils._python_dispatch._disable_current_modes():  # private: as torch pickles an entry

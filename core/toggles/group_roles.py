@@ -66,6 +66,16 @@ def canonical_code(code: str) -> str | None:
     return None if any(repr(name) in out for name in _role_of_name) else out
 
 
+def names_unregistered_groups(code: str) -> bool:
+    """Whether an op call in `code` names a process group of this process that has no role (a
+    mesh left from an earlier job in this process): such code is not the same program on ranks of
+    another group, so it is shared by name only."""
+    from torch.distributed.distributed_c10d import _world  # private: every group's name (no public list)
+
+    names = {repr(name) for name in _world.pg_names.values()} - {repr(name) for name in _role_of_name}
+    return any(name in line for line in _OP_LINE.findall(code) for name in names)
+
+
 def local_code(code: str) -> str:
     """Saved code with this process's group put back for each role."""
 
