@@ -301,7 +301,8 @@ def test_a_cuda_sample_is_many_calls_not_one_call_and_its_synchronize(monkeypatc
     probe = B.Probe("small kernel", lambda: busy(call_s), 1.0)
     B.run_probes(dev, [probe], passes=3, progress=lambda _: None)
     assert probe.inner * call_s >= B.CUDA_SAMPLE_S / 2
-    assert probe.seconds == pytest.approx(call_s, rel=0.3)  # one call and a sync would be 21x
+    # one call and a sync would be 21x; a neighbour's load only adds time (6.7e-5 s in a CI run)
+    assert call_s * 0.7 <= probe.seconds <= call_s * 3
 
 
 def test_pointwise_products_read_two_tensors():
