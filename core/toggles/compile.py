@@ -131,9 +131,10 @@ def apply_compile(
 
     `device_type` (the mesh's) resolves `cfg.shared_cache`; `group_roles` (mesh dim -> this
     rank's group name) and `meshes` (this job's mesh of some dim names) let ranks of different
-    TP/CP groups share one compiled graph (core/toggles/group_roles.py). Inductor's `emulate_precision_casts` is on when
-    `cfg.emulate_precision_casts` or `precision_casts` (rowwise Float8: core/toggles/float8.py
-    wants_precision_casts) asks for it, and recorded as compile:emulate_precision_casts.
+    TP/CP groups share one compiled graph (core/toggles/group_roles.py). Inductor's
+    `emulate_precision_casts` is on when `cfg.emulate_precision_casts` or `precision_casts`
+    (rowwise Float8: core/toggles/float8.py wants_precision_casts) asks for it, and recorded as
+    compile:emulate_precision_casts.
 
     FQNs gain `_orig_mod.`; torch.distributed.checkpoint's state_dict helpers strip it, so a
     checkpoint saved compiled loads uncompiled and back.

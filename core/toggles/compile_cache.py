@@ -64,7 +64,9 @@ from core.versions import installed_version
 log = logging.getLogger(__name__)
 
 WAIT_S = 900.0  # longest wait for another rank's compile of the same graph (16 ranks on 2 cores: ~2 min)
-_state = threading.local()  # .held / .aot_held: key -> lock, for the compile running on this thread
+# .held / .aot_held: key -> lock, for the compile running on this thread; .entry_by_role: its
+# AOTAutograd entry may be saved by role
+_state = threading.local()
 CACHES = {"fxgraph": ("inductor", "fxgraph_cache_"), "aot_autograd": ("aot_autograd", "autograd_cache_")}
 
 
@@ -229,30 +231,39 @@ def _lower_backward_at_once(on: bool) -> None:
     functorch_config.force_non_lazy_backward_lowering = on
 
 
-def _load_single_flight(key, *args, **kwargs):
-    load_with_key = _torch["load_with_key"]
-    held = getattr(_state, "held", None)
-    if held is None or key in held:  # outside a compile (AOTAutograd's own lookups): no lock
-        return load_with_key(key, *args, **kwargs)
+def _single_flight(held: dict | None, key: str, lookup: Callable, missed: Callable[[Any], bool]):
+    """`lookup(key)` under the key's lock; on a miss this rank keeps the lock in `held` (it compiles,
+    the others wait until it saves). No lock outside a compile (`held` None) or when already held."""
+    if held is None or key in held:
+        return lookup(key)
     lock = _acquire(key)
     if lock is None:
-        return load_with_key(key, *args, **kwargs)
+        return lookup(key)
     try:
-        graph, info = load_with_key(key, *args, **kwargs)
+        found = lookup(key)
     except BaseException:
         lock.release()
         raise
-    if graph is None and info.get("cache_state") == "miss":
-        held[key] = lock  # this rank compiles it: the others wait until it is saved
+    if missed(found):
+        held[key] = lock
     else:
         lock.release()
-    return graph, info
+    return found
 
 
-def _release(key):
-    lock = getattr(_state, "held", {}).pop(key, None)
+def _release(held_attr: str, key: str) -> None:
+    lock = (getattr(_state, held_attr, None) or {}).pop(key, None)
     if lock is not None:
         lock.release()
+
+
+def _load_single_flight(key, *args, **kwargs):
+    return _single_flight(
+        getattr(_state, "held", None),  # None outside a compile (AOTAutograd's own lookups)
+        key,
+        lambda k: _torch["load_with_key"](k, *args, **kwargs),
+        lambda found: found[0] is None and found[1].get("cache_state") == "miss",
+    )
 
 
 def _save_by_role_and_release(key, compiled_graph, *args, **kwargs):
@@ -271,7 +282,7 @@ def _save_by_role_and_release(key, compiled_graph, *args, **kwargs):
     finally:
         if raw is not None:
             compiled_graph.source_code = raw
-        _release(key)
+        _release("held", key)
 
 
 def _not_by_role_if_unregistered(code: str) -> None:
@@ -318,31 +329,16 @@ def _compile_fx_tracking_aot_locks(*args, **kwargs):
 
 def _aot_lookup_single_flight(key, *args, **kwargs):
     lookup = _torch["aot_lookup"]
-    held = getattr(_state, "aot_held", None)
-    if held is None or key in held:
-        return lookup(key, *args, **kwargs)
-    lock = _acquire(key)
-    if lock is None:
-        return lookup(key, *args, **kwargs)
-    try:
-        found = lookup(key, *args, **kwargs)
-    except BaseException:
-        lock.release()
-        raise
-    if found is None:
-        held[key] = lock  # this rank traces and compiles it: the others wait until it is saved
-    else:
-        lock.release()
-    return found
+    return _single_flight(
+        getattr(_state, "aot_held", None), key, lambda k: lookup(k, *args, **kwargs), lambda f: f is None
+    )
 
 
 def _aot_save_and_release(key, *args, **kwargs):
     try:
         return _torch["aot_save"](key, *args, **kwargs)
     finally:
-        lock = (getattr(_state, "aot_held", None) or {}).pop(key, None)
-        if lock is not None:
-            lock.release()
+        _release("aot_held", key)
 
 
 class _EntryPickler(pickle.Pickler):
