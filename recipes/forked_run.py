@@ -21,15 +21,29 @@ from __future__ import annotations
 import importlib
 import os
 import runpy
+import signal
 import sys
 import uuid
 import warnings
 
 from core.process import die_with_parent, forget_rank_deaths
 
+# torch elastic's agent turns these into a SignalException (its own shutdown path).
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _signals_as_in_a_new_interpreter() -> None:
+    """A rank torchrun starts has Python's defaults for the signals the agent handles (handlers
+    end at exec); a fork would keep the agent's. Kept, the agent's SIGTERM to stop the rank became
+    an exception in whatever the rank ran, which may catch it (DCP gathers a save's exceptions
+    across ranks, then waits in a collective) and the rank lived on until the agent's SIGKILL."""
+    for sig in AGENT_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
 
 def _run_module_as_main(module: str, argv: list[str]) -> None:
     """What `python -m module argv...` does, in a forked rank (stopped if the agent dies)."""
+    _signals_as_in_a_new_interpreter()
     die_with_parent()
     forget_rank_deaths()
     sys.argv = [module, *argv]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -291,6 +292,43 @@ def test_preflight_proxy_form_passes_and_names_what_it_skipped(tmp_path):
 
 
 # ----------------------------------------------------------------------------- forked launch
+RANK_CATCHING_ALL = """
+import signal, sys, time
+if __name__ == "__main__":
+    names = {signal.SIG_DFL: "default", signal.default_int_handler: "KeyboardInterrupt"}
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    print("rank handlers:", *(names.get(signal.getsignal(s), "other") for s in sigs), flush=True)
+    for _ in range(2):  # what DCP does with an exception raised in a save: carry on
+        try:
+            time.sleep(60)
+        except Exception:
+            print("rank: caught an exception, carrying on", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_rank_dies_on_the_agents_sigterm_as_a_torchrun_rank_does(tmp_path):
+    """A forked rank has the signal handlers of a new interpreter, not the agent's (torch elastic
+    raises a SignalException on SIGTERM there): the agent's SIGTERM ends a rank that catches every
+    exception at once, not after the agent's 30 s wait and SIGKILL."""
+    (tmp_path / "rank_catching_all.py").write_text(RANK_CATCHING_ALL)
+    env = {**launcher.base_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    cmd = launcher.torchrun_command(1, ["-m", "rank_catching_all"], forked=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = ""
+        while not said.startswith("rank handlers:") and proc.poll() is None:  # the rank's first line
+            said = proc.stdout.readline()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert said.split()[2:] == ["default", "KeyboardInterrupt", "default", "default"], said
+    assert "caught an exception" not in rest and stopped_s < 15, (stopped_s, rest[-2000:])
+
+
 def test_what_a_forked_launch_imports_first_starts_no_thread():
     """recipes/forked_run.py forks the ranks after core.train.before_fork imported what the jobs
     import lazily. Forking is only safe while the process has one thread: importing those modules
