@@ -4,7 +4,7 @@ Each job builds a fresh Trainer (mesh, model, optimizer, loader) from its own co
 that resumes from another job's checkpoint gets everything it has from disk, while the group
 pays torchrun's and torch's start-up once.
 
-    torchrun --nproc_per_node=4 tests/checkpoint_driver.py PLAN.json
+    python -m recipes.forked_run --standalone --nproc_per_node=4 -m tests.checkpoint_driver PLAN.json
     PLAN.json: {"jobs": [{"name": str, "overrides": ["--section.key=value", ...],
                           "env": {optional environment for this job}}, ...],
                 "root": "<dir>"}   -> <root>/<name>/result.json per job
@@ -23,9 +23,12 @@ import sys
 from pathlib import Path
 
 
+def before_fork(argv: list[str]) -> None:
+    """recipes/forked_run.py calls it before forking the ranks: the trainer, imported once."""
+    import core.train  # noqa: F401
+
+
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    # Imported after the path insert above: torchrun runs this file as a script from any directory.
     import torch.distributed as dist
 
     from core.checkpoint import manifest

@@ -277,9 +277,8 @@ def _driver_cmd(nproc: int, root: Path, jobs: list[tuple], max_restarts: int = 0
         "jobs": [{"name": j[0], "overrides": [*TINY_JOB, *j[1]], "env": j[2] if len(j) > 2 else {}} for j in jobs],
     }
     (root / "plan.json").write_text(json.dumps(plan))
-    return torchrun_command(
-        nproc, [str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")], max_restarts=max_restarts
-    )
+    target = ["-m", "tests.checkpoint_driver", str(root / "plan.json")]
+    return torchrun_command(nproc, target, max_restarts=max_restarts, forked=True)
 
 
 ENV = dist_env()

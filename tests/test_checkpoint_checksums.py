@@ -143,7 +143,7 @@ def _driver(root: Path, jobs: list[tuple]) -> None:
         "jobs": [{"name": n, "overrides": [*TINY_JOB, *o], "expect_error": e} for n, o, e in jobs],
     }
     (root / "plan.json").write_text(json.dumps(plan))
-    cmd = torchrun_command(4, [str(ROOT / "tests" / "checkpoint_driver.py"), str(root / "plan.json")])
+    cmd = torchrun_command(4, ["-m", "tests.checkpoint_driver", str(root / "plan.json")], forked=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=dist_env(4), capture_output=True, text=True, timeout=900, check=False)
     (root / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
