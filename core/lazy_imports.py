@@ -36,3 +36,14 @@ def import_for(cfgs: list[JobConfig]) -> list[str]:
     for name in names:
         importlib.import_module(name)
     return names
+
+
+def prepare_for_fork(cfgs: list[JobConfig]) -> list[str]:
+    """What a launcher that forks the ranks does first (recipes/forked_run.py): import_for, and for
+    compiled jobs what every rank's first compile would compute alike (core/toggles/compile.py)."""
+    names = import_for(cfgs)
+    if any(cfg.compile.enabled for cfg in cfgs):
+        from core.toggles.compile import warm_before_fork
+
+        warm_before_fork()
+    return names

@@ -39,7 +39,7 @@ from core.debug import (
     setup_flight_recorder,
 )
 from core.jobs import parse_jobs, rank_prefix, validated_jobs
-from core.lazy_imports import import_for
+from core.lazy_imports import prepare_for_fork
 from core.logs import get_logger
 from core.metrics import (
     PeakMemory,
@@ -390,9 +390,10 @@ class Trainer:
 
 
 def before_fork(argv: list[str]) -> None:
-    """Called by recipes/forked_run.py before it forks the ranks: import what the jobs import lazily."""
+    """Called by recipes/forked_run.py before it forks the ranks: import what the jobs import lazily
+    and warm what their first compile computes alike (core.lazy_imports.prepare_for_fork)."""
     with contextlib.suppress(ConfigError):  # each rank's main() reports it
-        import_for(parse_jobs(argv))
+        prepare_for_fork(parse_jobs(argv))
 
 
 def run(cfg: JobConfig, startup_s: dict[str, float | None] | None = None) -> dict:

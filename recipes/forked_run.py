@@ -13,7 +13,8 @@ Real runs keep torchrun: GPUs, and the workers of a real cluster, get fresh proc
 MODULE is imported here, so its top level must only define things (its work under
 `if __name__ == "__main__"`). If it has `before_fork(args)`, that runs here too, to import what the
 ranks would import lazily (core.train, group_worker: inductor and torchao for compiled and Float8
-jobs). Nothing imported before the fork may start a thread.
+jobs) and, for compiled jobs, compute what each rank's first compile computes alike (the CPU's
+vector ISA, the hash of torch's sources, the precompiled header). No thread may be alive at the fork.
 """
 
 from __future__ import annotations

@@ -333,7 +333,8 @@ def test_what_a_forked_launch_imports_first_starts_no_thread():
     """recipes/forked_run.py forks the ranks after core.train.before_fork imported what the jobs
     import lazily. Forking is only safe while the process has one thread: importing those modules
     must not start any (HF `datasets` would start pyarrow's jemalloc purging thread, which
-    core.lazy_imports turns off first)."""
+    core.lazy_imports turns off first). For a compiled job it also warms what each rank's first
+    compile would compute alike: the ISA probes (their threads joined) and the precompiled header."""
     script = (
         "import os, sys\n"
         "import core.train\n"
@@ -341,11 +342,14 @@ def test_what_a_forked_launch_imports_first_starts_no_thread():
         "before = threads()\n"
         "core.train.before_fork(['--compile.enabled=true', '--float8.enabled=true', '--data.dataset=c4_offline'])\n"
         "mods = ('torch._inductor.compile_fx', 'torchao.float8', 'datasets')\n"
-        "print(before, threads(), *(m in sys.modules for m in mods))\n"
+        "from torch._inductor import codecache, cpu_vec_isa\n"
+        "warmed = (cpu_vec_isa.valid_vec_isa_list, codecache._precompile_header)\n"
+        "print(before, threads(), *(m in sys.modules for m in mods), *(f.cache_info().currsize for f in warmed))\n"
     )
     proc = subprocess.run(
         [launcher.sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    before, after, compile_fx, float8, datasets = proc.stdout.split()[-5:]
+    before, after, compile_fx, float8, datasets, isas, headers = proc.stdout.split()[-7:]
     assert after == before and (compile_fx, float8, datasets) == ("True", "True", "True"), proc.stdout
+    assert (isas, headers) == ("1", "1"), proc.stdout  # inherited by every rank: not probed again

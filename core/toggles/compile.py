@@ -55,25 +55,50 @@ def ensure_cache_dir() -> str:
 
 
 _isa_probes_started = False
+# The smallest kernel inductor's C++ cache builds as it builds a generated one (same header, flags).
+TRIVIAL_KERNEL = '#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(float* out) { out[0] = 0.0f; }\n'
 
 
-def probe_cpu_isas_in_background() -> None:
+def _start_isa_probes() -> list[threading.Thread]:
     """Inductor picks the CPU's vector ISA at the first compile by building a probe per candidate
     (AVX2, AVX512 and its bf16/VNNI variants), one after another: six g++ runs over ATen's vector
     headers, 8 s before the first kernel builds on a cold cache (this EPYC). Each runs here in its
-    own daemon thread (g++ runs outside the GIL), overlapping the tracing of the first graph;
-    inductor then reads the cached answers, or waits on the same file lock for one still building.
-    """
+    own daemon thread (g++ runs outside the GIL); inductor then reads the cached answers, or waits
+    on the same file lock for one still building."""
     global _isa_probes_started
-    if _isa_probes_started or torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
-        return
+    if _isa_probes_started or platform.machine() not in ("x86_64", "AMD64"):
+        return []
     _isa_probes_started = True
     from torch._inductor import cpu_vec_isa  # private: inductor's ISA probes (no public way to start them)
 
     flags = cpu_vec_isa.x86_isa_checker()
+    probes = []
     for isa in cpu_vec_isa.supported_vec_isa_list:  # inductor's own filter (valid_vec_isa_list)
         if all(flag in flags for flag in str(isa).split()):
-            threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True).start()
+            probes.append(threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True))
+            probes[-1].start()
+    return probes
+
+
+def probe_cpu_isas_in_background() -> None:
+    """The ISA probes (_start_isa_probes), overlapping the tracing of the first graph."""
+    if not torch.cuda.is_available():
+        _start_isa_probes()
+
+
+def warm_before_fork() -> None:
+    """What each rank's first compile computes the same way, computed once in the process the
+    ranks are forked from (recipes/forked_run.py), so that every rank inherits it: inductor's hash
+    of torch's sources, the CPU's vector ISA (probe builds and a dlopen check of each), the
+    compiler's version checks and the precompiled header's hash. The last two by building one
+    trivial kernel through inductor's own C++ cache. No CUDA call: the fork must not follow one."""
+    from torch._inductor import codecache  # private: inductor's per-process caches, no public warm-up
+
+    ensure_cache_dir()
+    codecache.torch_key()
+    for probe in _start_isa_probes():
+        probe.join()  # no thread may be alive at the fork
+    codecache.CppPythonBindingsCodeCache.load_pybinding(["float*"], TRIVIAL_KERNEL)
 
 
 def _materialize_async_input(module: nn.Module, args: tuple, kwargs: dict):

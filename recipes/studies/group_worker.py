@@ -18,15 +18,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from core.config import load_config
-from core.lazy_imports import import_for
+from core.lazy_imports import prepare_for_fork
 from core.process import exit_process
 from core.train import init_distributed, run
 from core.validate import validate
 
 
 def before_fork(argv: list[str]) -> None:
-    """recipes/forked_run.py calls it before forking the ranks: the jobs' lazy imports, once."""
-    import_for([load_config(None, job["overrides"]) for job in json.loads(Path(argv[0]).read_text())])
+    """recipes/forked_run.py calls it before forking the ranks: the jobs' lazy imports and
+    compile warm-up (core.lazy_imports.prepare_for_fork), once."""
+    prepare_for_fork([load_config(None, job["overrides"]) for job in json.loads(Path(argv[0]).read_text())])
 
 
 def main(spec: str) -> int:
