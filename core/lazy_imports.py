@@ -4,6 +4,7 @@ of importing them at once with the others (16 ranks on 2 cores: 20 of the 23 s o
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -45,5 +46,8 @@ def prepare_for_fork(cfgs: list[JobConfig]) -> list[str]:
     if any(cfg.compile.enabled for cfg in cfgs):
         from core.toggles.compile import warm_before_fork
 
-        warm_before_fork()
+        # only a head start: a failure here (no compiler, say) is met again by each rank's own
+        # compile, which reports it as a rank's failure
+        with contextlib.suppress(Exception):
+            warm_before_fork()
     return names

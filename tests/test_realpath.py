@@ -291,6 +291,20 @@ def test_preflight_proxy_form_passes_and_names_what_it_skipped(tmp_path):
     print(f"preflight wall {wall:.0f} s (goal: under 180 s on 2 free cores)")
 
 
+def test_a_failing_compile_warm_up_leaves_the_failure_to_the_ranks(monkeypatch):
+    """The warm-up before the fork is only a head start: when it fails (say, no C++ compiler) the
+    launch goes on, and each rank's own compile meets the failure and reports it as a rank's."""
+    import core.toggles.compile as compile_mod
+    from core.config import load_config
+    from core.lazy_imports import prepare_for_fork
+
+    calls = []
+    monkeypatch.setattr(compile_mod, "warm_before_fork", lambda: calls.append(1) or 1 / 0)
+    prepare_for_fork([load_config(None, ["compile.enabled=true"])])
+    prepare_for_fork([load_config(None, [])])  # eager jobs: no warm-up
+    assert calls == [1]
+
+
 # ----------------------------------------------------------------------------- forked launch
 RANK_CATCHING_ALL = """
 import signal, sys, time
