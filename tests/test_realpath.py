@@ -343,6 +343,27 @@ def test_a_forked_rank_dies_on_the_agents_sigterm_as_a_torchrun_rank_does(tmp_pa
     assert "caught an exception" not in rest and stopped_s < 15, (stopped_s, rest[-2000:])
 
 
+RANK_REPORTING_GC = """
+import gc
+if __name__ == "__main__":
+    print("rank gc:", gc.isenabled(), gc.get_freeze_count(), flush=True)
+"""
+
+
+def test_a_forked_rank_collects_garbage_but_not_what_its_launcher_imported(tmp_path):
+    """The launcher imports torch and the trainer with the collector off, then freezes what it made
+    before forking (Python's recipe for forks): a rank's full collections skip those objects, and
+    so do not walk, or copy, the pages they share with the launcher. The rank itself collects."""
+    (tmp_path / "rank_reporting_gc.py").write_text(RANK_REPORTING_GC)
+    env = {**launcher.base_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    cmd = launcher.torchrun_command(1, ["-m", "rank_reporting_gc"], forked=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = next(line for line in proc.stdout.splitlines() if line.startswith("rank gc:"))
+    enabled, frozen = said.split()[2:]
+    assert enabled == "True" and int(frozen) > 100_000, said  # torch alone is several 100,000 objects
+
+
 def test_what_a_forked_launch_imports_first_starts_no_thread():
     """recipes/forked_run.py forks the ranks after core.train.before_fork imported what the jobs
     import lazily. Forking is only safe while the process has one thread: importing those modules
