@@ -168,9 +168,13 @@ def _job(name: str, dtype: str) -> str:
 
 
 # Static shapes here; the same layout with torch's inference is the parity suite's run (parity_runs).
+# Static shapes change only how the stages are built, before the first step; the same program runs
+# from there on, so the claim is the first STATIC_STEPS steps bit for bit: they span the warmup and
+# the first update at the full LR, none of which depends on training.steps (core.optim.lr_factor).
+STATIC_STEPS = 4
 for _name, _dtype in CASES:
     _layout = PL.BY_NAME[_name]
-    _static = [*_layout.overrides(_dtype), "--parallelism.pp_static_shapes=true"]
+    _static = [*_layout.overrides(_dtype), STATIC, f"--training.steps={STATIC_STEPS}"]
     GROUPS.add(_layout.world_size, {_job(_name, _dtype): _static})
 
 
@@ -179,14 +183,15 @@ for _name, _dtype in CASES:
 def test_static_shapes_give_the_dynamic_losses(name, dtype, parity_runs, tmp_path_factory):
     """Every PP layout of the parity suite (every schedule at pp 2 and 4, FSDP x TP x PP (x CP)):
     the same per-step losses and grad norms, bit for bit, as the parity run of the layout (torch's
-    dynamic inference, the default)."""
+    dynamic inference, the default), over its first STATIC_STEPS steps."""
     static, dynamic = GROUPS.get(_job(name, dtype), tmp_path_factory), parity_runs.get(name, dtype)
-    assert static["losses"] == dynamic["losses"] and len(static["losses"]) == PL.STEPS
-    assert static["grad_norms"] == dynamic["grad_norms"]
+    k = STATIC_STEPS
+    assert len(static["losses"]) == k < len(dynamic["losses"]) == PL.STEPS
+    assert static["losses"] == dynamic["losses"][:k] and static["grad_norms"] == dynamic["grad_norms"][:k]
     assert "pp_static_shapes" in static["toggles_applied"]
     assert "pp_static_shapes" not in dynamic["toggles"]
     layout = PL.BY_NAME[name]
-    assert max_abs_diff(static["losses"], dynamic["reference"]) <= (layout.tolerance or PL.TOLERANCE[dtype])
+    assert max_abs_diff(static["losses"], dynamic["reference"][:k]) <= (layout.tolerance or PL.TOLERANCE[dtype])
     assert static["first_step_timeout_s"] == 300 and static["first_step_timeout_reason"] == "comm.init_timeout_seconds"
 
 
