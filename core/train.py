@@ -400,6 +400,10 @@ def run(cfg: JobConfig, startup_s: dict[str, float | None] | None = None) -> dic
     """Train with an already validated config inside an initialised process group. `startup_s`:
     where this process's time went before the trainer (the first job of a launch has it)."""
     t0 = time.perf_counter()
+    # A job starts with Dynamo as a new process has it. A job before it in this process (run_jobs,
+    # recipes.studies.group_worker) left its compiled frames: the same block code on other shapes
+    # then recompiled with a dynamic batch (automatic dynamic), a program a run of its own never builds.
+    torch.compiler.reset()
     cache_before = compile_cache.all_counts()
     trainer = Trainer(cfg)
     t_init = time.perf_counter() - t0
@@ -428,8 +432,6 @@ def run_jobs(cfgs: list[JobConfig], startup_s: dict[str, float | None]) -> None:
     """The jobs one after another in this process group; rank 0 marks where each one's output starts."""
     for i, cfg in enumerate(cfgs):
         if len(cfgs) > 1:
-            if i:  # a later job starts clean: its own compiled graphs (served by inductor's cache)
-                torch.compiler.reset()
             dist.barrier()  # the previous job's output is out before the marker
             if dist.get_rank() == 0:
                 print(f"{JOB_MARKER} {cfg.job.output_dir}", flush=True)  # a protocol line, not a log line

@@ -136,6 +136,19 @@ def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
     assert counters["stats"]["unique_graphs"] - frames_before == 1
 
 
+def test_a_later_job_of_the_process_compiles_as_a_new_process_would(pg, tmp_path):
+    """run_jobs and the group worker run jobs one after another in one process. Each starts with
+    Dynamo reset: a compiled job after another on other shapes builds its own static graph, as its
+    own run would, instead of recompiling the block with a dynamic batch (a RecompileError here)."""
+    from core.train import run
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in (8, 4):  # 8: the graph test_compile_matches_eager's job compiles
+            overrides = ("compile.enabled=true", "model.flavor=tiny4", f"training.local_batch_size={batch}")
+            rec = run(cfg_of(*overrides, steps=1, out=tmp_path / f"batch{batch}"))
+            assert "compile" in rec["toggles_applied"] and len(rec["losses"]) == 1
+
+
 def test_full_ac_stays_outside_compile_on_tp_blocks(pg):
     """Full AC around a block holding DTensors (TP): checkpoint eager, the block compiled inside;
     otherwise (plain block, or op SAC) the checkpoint is compiled with the block."""
