@@ -136,6 +136,7 @@ def test_compile_matches_eager_and_reuses_one_graph(pg, tmp_path):
     assert counters["stats"]["unique_graphs"] - frames_before == 1
 
 
+@pytest.mark.slow  # a cold compile of the second job's graph
 def test_a_later_job_of_the_process_compiles_as_a_new_process_would(pg, tmp_path):
     """run_jobs and the group worker run jobs one after another in one process. Each starts with
     Dynamo reset: a compiled job after another on other shapes builds its own static graph, as its
