@@ -74,8 +74,9 @@ def run_layout(layout: Layout, dtype: str, out_dir: Path) -> dict:
 def run_grouped(layouts: list[Layout], dtype: str, out_dir: Path, timeout: float = 1800) -> list[dict]:
     """Faster: one torchrun per world size runs all its layouts one after another
     (recipes.studies.group_worker), sparing ~10-20 s of start-up per layout. Losses are those of
-    separate runs (each job builds its own mesh, model and data), but the peak RSS of a later job
-    includes the earlier ones."""
+    separate runs (each job builds its own mesh, model and data, and core.train.run resets Dynamo
+    before it, so it compiles what its own run would), but the peak RSS of a later job includes the
+    earlier ones."""
     rows: dict[str, dict] = {}
     for world in sorted({lay.world_size for lay in layouts}):
         group = [lay for lay in layouts if lay.world_size == world]
