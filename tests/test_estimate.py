@@ -11,6 +11,7 @@ import contextlib
 import csv
 import functools
 import json
+import os
 import time
 
 import pytest
@@ -101,6 +102,23 @@ def test_405b_table3_row_composes_at_512_ranks():
     assert "compile" in rec["fake_step"]["toggles_modelled"]
     assert parts_sum(rec) == pytest.approx(rec["estimated_peak_gib"], abs=0.02)
     assert len(rec["per_pp_rank_allocated_gib"]) == 8
+
+
+def test_each_fake_step_process_is_fresh_with_the_callers_environment(monkeypatch, tmp_path):
+    """Each isolated fake step forks from one fork server: a process of its own, started from the
+    server's state and not the previous step's, with the environment and directory of its caller
+    at the call, not the server's from its start."""
+    F.in_a_fresh_process(os.getpid)  # the server is up (started here, or by an earlier test)
+    monkeypatch.setenv("TITAN_FRESH_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert F.in_a_fresh_process(os.getenv, "TITAN_FRESH_PROBE") == "set after the server started"
+    assert os.path.samefile(F.in_a_fresh_process(os.getcwd), tmp_path)
+    mine = os.umask(0o022)
+    os.umask(mine)
+    other = 0o077 if mine != 0o077 else 0o027
+    first, second = (F.in_a_fresh_process(os.umask, other) for _ in range(2))
+    assert first == second == mine  # process-wide state one call set did not reach the next
+    assert len({os.getpid(), F.in_a_fresh_process(os.getpid), F.in_a_fresh_process(os.getpid)}) == 3
 
 
 def test_every_row_accounting_adds_up():
