@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from recipes.cli import main as cli
 
-ROW = "llama3_8b/table1/8gpu_fsdp"  # proxy: world 2, tiny flavor
+ROW = "llama3_8b/table1/8gpu_fsdp"  # proxy: world 2, debug flavor, seq 256
 
 
 def digest(folder: Path) -> dict[str, str]:
