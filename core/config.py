@@ -55,6 +55,13 @@ class Job:
     mode: Mode = field(
         default="proxy", metadata={"doc": "real | proxy | dry-run (a dry-run never reaches the trainer)"}
     )
+    deviations: list[str] = field(
+        default_factory=list,
+        metadata={
+            "doc": "set by run-recipe: the keys where this job differs from its row's configuration for its mode "
+            "(copied into the record; `run-recipe check` recomputes them)"
+        },
+    )
     proxy_world_limit: int = field(
         default=16,
         metadata={

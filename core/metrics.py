@@ -17,6 +17,7 @@ import re
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,6 +110,23 @@ def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> flo
         table[key] = measure_cpu_peak_flops(getattr(torch, dtype))
         atomic_write_json(path, table)
     return table[key]
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """An MFU denominator and what it is: its source, and on a CPU the bf16 GEMM route it was
+    measured on (core.cpu_gemm), which must be the route the steps ran."""
+
+    flops: float | None
+    source: str
+    gemm_route: str | None  # "native" | "fp32" on a CPU; None: not measured here
+
+
+def cpu_peak(dtype: str) -> PeakFlops:
+    """This CPU's peak for `dtype` on the GEMM route active now (the one the steps run)."""
+    route = cpu_gemm.active() if dtype == "bfloat16" else "native"
+    kernel = "the fp32 GEMM (core.cpu_gemm route)" if route == "fp32" else "torch's own kernel"
+    return PeakFlops(cpu_peak_flops(dtype), f"measured {dtype} matmul on {kernel}", route)
 
 
 def device_info() -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import platform
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,29 +14,15 @@ from torch.distributed.tensor import DTensor
 from core import cpu_gemm
 from core.config import JobConfig, save_config
 from core.fileio import atomic_write_json
-from core.metrics import device_info
+from core.metrics import PeakFlops, device_info
 from core.models.args import ModelArgs, shape_record
 from core.parallel.schedule_sim import DEFAULT_COSTS, bubble_fraction
+from core.provenance import git_state, provenance
 from core.versions import installed_version
 
 
-def _git_commit(root: Path | None = None) -> str:
-    """HEAD's short hash, "+modified" when the code (core/, recipes/) differs from it."""
-    root = root or Path(__file__).resolve().parents[1]
-    try:
-        git = ["git", "-C", str(root)]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        changed = subprocess.run(
-            [*git, "status", "--porcelain", "--", "core", "recipes"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    commit = head.stdout.strip()
-    return f"{commit}+modified" if commit and changed.stdout.strip() else commit
-
-
 def versions() -> dict:
-    out = {"torch": torch.__version__, "python": platform.python_version(), "git": _git_commit()}
+    out = {"torch": torch.__version__, "python": platform.python_version(), **git_state()}
     if (torchao := installed_version("torchao")) is not None:
         out["torchao"] = torchao
     return out
@@ -99,7 +84,7 @@ class TrainOutcome:
     wall_s: float
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float | None  # None: a GPU without a known peak and no metrics.peak_flops (no MFU)
+    peak: PeakFlops  # flops None: a GPU without a known peak and no metrics.peak_flops (no MFU)
     peak_memory_gib_per_rank: list[float]  # steady state: the CUDA peak is reset after step 1
     first_step_peak_memory_gib_per_rank: list[float | None]
     param_bytes_per_rank: list[int]
@@ -118,7 +103,7 @@ def _throughput(o: TrainOutcome) -> dict:
         "tokens_per_sec_per_device": tps,
         "flops_per_token": o.flops_per_token,
         "tflops_per_device": o.flops_per_token * tps / 1e12,
-        "mfu": o.flops_per_token * tps / o.peak_flops if o.peak_flops else None,
+        "mfu": o.flops_per_token * tps / o.peak.flops if o.peak.flops else None,
         "mfu_formula": "(6*(N-N_emb) + 12*L*H*(D/H)*T) * tokens_per_sec_per_device / peak_flops",
     }
 
@@ -145,13 +130,15 @@ def result_record(o: TrainOutcome) -> dict:
         "recipe": o.cfg.job.recipe,
         "mode": o.cfg.job.mode,
         "config": o.cfg.to_dict(),
+        "provenance": provenance(o.cfg),
         "versions": versions(),
         "hardware": {
             "device": info["device"],
             "world_size": o.world_size,
-            "peak_flops": o.peak_flops,
-            "peak_source": info["peak_source"],
-            "bf16_gemm": cpu_gemm.active(),  # core.cpu_gemm: fp32 where the CPU has no fast bf16 GEMM
+            "peak_flops": o.peak.flops,
+            "peak_source": o.peak.source,
+            "peak_gemm_route": o.peak.gemm_route,  # the route the peak was measured on ...
+            "bf16_gemm": cpu_gemm.active(),  # ... and the one the steps ran (core.cpu_gemm)
             # core.cpu_gemm: CPU float8 matmuls in fp32 as torch emulates them (a GPU runs its own)
             "scaled_mm": "native" if torch.cuda.is_available() else cpu_gemm.scaled_mm_active(),
         },

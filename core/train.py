@@ -42,9 +42,10 @@ from core.jobs import parse_jobs, rank_prefix, validated_jobs
 from core.lazy_imports import prepare_for_fork
 from core.logs import get_logger
 from core.metrics import (
+    PeakFlops,
     PeakMemory,
     StepLog,
-    cpu_peak_flops,
+    cpu_peak,
     device_info,
     flops_per_token,
     peak_memory_gib,
@@ -364,7 +365,7 @@ class Trainer:
             wall_s=run_log.wall_s,
             tokens_per_step=self.tokens_per_step,
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
-            peak_flops=self.peak_flops,
+            peak=self.peak,
             peak_memory_gib_per_rank=gathered["peak"],
             first_step_peak_memory_gib_per_rank=gathered["first"],
             param_bytes_per_rank=gathered["params"],
@@ -378,15 +379,21 @@ class Trainer:
         return t.local_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
 
     @functools.cached_property
-    def peak_flops(self) -> float | None:
-        """The MFU denominator: metrics.peak_flops, the GPU's vendor figure, or on a CPU a measured
-        peak. A GPU the vendor table does not know gets None (no MFU), never a CPU's figure."""
+    def peak(self) -> PeakFlops:
+        """The MFU denominator: metrics.peak_flops, the GPU's vendor figure, or on a CPU the peak
+        measured on the GEMM route the steps run (core.cpu_gemm). A GPU the vendor table does not
+        know gets None (no MFU), never a CPU's figure."""
         t = self.cfg.training
         if self.cfg.metrics.peak_flops:
-            return self.cfg.metrics.peak_flops
+            return PeakFlops(self.cfg.metrics.peak_flops, "metrics.peak_flops (given)", None)
         if self.device.type == "cuda":
-            return device_info()["peak_flops"]
-        return cpu_peak_flops(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
+            info = device_info()
+            return PeakFlops(info["peak_flops"], info["peak_source"], None)
+        return cpu_peak(t.mixed_precision_param if t.mixed_precision_param == "bfloat16" else "float32")
+
+    @property
+    def peak_flops(self) -> float | None:
+        return self.peak.flops
 
 
 def before_fork(argv: list[str]) -> None:

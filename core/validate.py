@@ -131,16 +131,22 @@ def _check_values(cfg: JobConfig) -> None:
 
 def _check_tokenizer(cfg: JobConfig) -> int:
     """The tokenizer file parses as one (and matches tokenizer.sha256 when set), before any rank
-    loads it. Returns its vocabulary size."""
+    loads it; the project's own tokenizers must also have their shape. Returns its vocabulary size."""
     from core.data.tokenizer import Tokenizer  # here: tiktoken is only needed when files are checked
+    from core.data.verify import project_asset, tokenizer_shape_problems
 
     try:
-        return Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None).n_words
+        tok = Tokenizer(cfg.tokenizer.path, cfg.tokenizer.sha256 or None)
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a tokenizer"
         raise ConfigError(
             f"tokenizer.path: {cfg.tokenizer.path} is not a readable tokenizer "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+    asset = project_asset(cfg.tokenizer.path, "tokenizer")
+    problems = tokenizer_shape_problems(asset, tok.n_words, tok.bos_id, tok.eos_id) if asset else []
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return tok.n_words
 
 
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
@@ -190,6 +196,10 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     _check_layout(cfg, args)
     n_words = None  # the tokenizer's vocabulary, when its file is read
     if check_files:
+        from core.data.verify import verify_assets  # here: it imports tiktoken
+
+        # the project's assets against assets/MANIFEST.json: one line per missing, extra or changed file
+        verify_assets(cfg.tokenizer.path, cfg.data.dataset, cfg.data.path)
         if cfg.data.dataset == "c4_offline":
             try:
                 check_corpus(cfg.data.path)

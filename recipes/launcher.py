@@ -146,6 +146,8 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = 
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
     from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
+    from core.provenance import provenance
+    from core.result import versions
 
     cfg.job.output_dir = str(run_dir)
     kwargs = {**({"gpu": gpu} if gpu else {}), **({} if fake else {"fake": False})}
@@ -153,6 +155,8 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = 
     record.setdefault("recipe", cfg.job.recipe)
     record.setdefault("mode", "dry-run")
     record.setdefault("config", cfg.to_dict())
+    record.setdefault("provenance", provenance(cfg, read_assets=False))  # a dry-run reads no data
+    record.setdefault("versions", versions())
     record.setdefault("finished_at", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     atomic_write_json(run_dir / "result.json", record, default=str)
     return record

@@ -30,7 +30,6 @@ from core import run_folder
 from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
 from core.fileio import check_writable_folder
-from core.validate import validate
 from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
 from recipes.output import Stopped, failure_cause, stream
@@ -107,6 +106,8 @@ class RowMode:
         """A row resolved and checked for this mode (RowRefused says why not)."""
         try:
             row = Row(recipe, self.resolve(recipe, overrides))
+            if overrides:  # the keys where this run is not the row as published (into its record)
+                row.cfg.job.deviations = registry.deviations(recipe, self.name, row.cfg.to_dict())
         except ConfigError as e:
             raise RowRefused(f"config error: {recipe.id}: {e}") from None
         self.check_row(row)
@@ -177,6 +178,7 @@ class ProxyMode(RowMode):
 
 class RealMode(RowMode):
     name = "real"
+    check_files = True  # on this node, --slurm and multi-node alike: the files the ranks will read
 
     def check_options(self) -> None:
         if self.options.gpu is not None:
@@ -209,10 +211,6 @@ class RealMode(RowMode):
             )
         for note in report.notes:
             click.echo(f"note: {r.id}: {note}", err=True)
-        try:
-            validate(row.cfg, check_files=True)
-        except ConfigError as e:
-            raise RowRefused(f"config error: {r.id}: {e}") from None
 
     def env(self, world: int, **set_vars: str) -> dict[str, str]:
         # a node-local compile cache, as the sbatch script's: the checkout is often on a shared file system

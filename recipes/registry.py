@@ -23,9 +23,11 @@ from pathlib import Path
 
 import tomllib
 
-from core.config import JobConfig, Mode, apply_dict
+from core.config import JobConfig, Mode, apply_dict, flatten_keys
+from core.data.verify import project_asset
 from core.errors import ConfigError
 from core.overrides import parse_override
+from core.provenance import RUN_LOCAL_KEYS
 from core.validate import validate
 from recipes.paths import project_root
 from recipes.schema import REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError, deep_merge
@@ -33,6 +35,7 @@ from recipes.schema import REFERENCE_KEYS, TABLES, TOP_KEYS, Recipe, RecipeError
 PACKAGES = ("llama3_8b", "llama3_70b", "llama3_405b", "long_context")
 DEFAULTS = "defaults.toml"
 ROW_ONLY = ("id", "title", "row", "order", "effect")
+_ABSENT = object()
 
 
 def _read(trav, where: str) -> dict:
@@ -192,7 +195,12 @@ def _resolve_paths(cfg: JobConfig) -> None:
 
 # Keys the command line sets for a row, with what sets them: a `--set` of one would run one
 # thing and file a record saying another (a proxy labelled dry-run, another row's id).
-CLI_OWNED_KEYS = {"job.mode": "--mode", "job.recipe": "the recipe id", "job.output_dir": "--out"}
+CLI_OWNED_KEYS = {
+    "job.mode": "--mode",
+    "job.recipe": "the recipe id",
+    "job.output_dir": "--out",
+    "job.deviations": "the --set keys that change the row",
+}
 
 
 def resolve_config(
@@ -209,3 +217,24 @@ def resolve_config(
     _resolve_paths(cfg)
     cfg = validate(cfg, check_files=check_files)
     return cfg
+
+
+def deviations(recipe: Recipe, mode: Mode, config: dict, assets: dict | None = None) -> list[str]:
+    """The keys where `config` (a resolved config as a dict, e.g. a record's) differs from the
+    row's configuration for `mode`, in the config's key order. Where a run lives (its folder, the
+    assets' paths) is not compared: an asset path counts when it names another file than the
+    row's, told by which project asset it is (`assets`: a record's own names for them, read where
+    the paths are another machine's; else looked up here)."""
+    canonical = flatten_keys(resolve_config(recipe, mode).to_dict())
+    ours = flatten_keys(config)
+    keys = list(canonical) + [k for k in ours if k not in canonical]
+    out = [k for k in keys if k not in RUN_LOCAL_KEYS and ours.get(k, _ABSENT) != canonical.get(k, _ABSENT)]
+    dataset = ours.get("data.dataset")
+    for key, kind, section, read in (
+        ("tokenizer.path", "tokenizer", "tokenizer", dataset != "synthetic"),
+        ("data.path", "corpus", "data", dataset == "c4_offline"),
+    ):
+        mine = (assets.get(section) or {}).get("asset") if assets is not None else project_asset(ours.get(key), kind)
+        if read and mine != project_asset(canonical.get(key), kind):
+            out.append(key)
+    return out

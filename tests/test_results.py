@@ -419,23 +419,32 @@ def test_docs_name_the_calibration_the_spec_states():
 
 
 def test_record_names_a_modified_tree(tmp_path):
-    """A record made from uncommitted code says so beside the commit (results or notes elsewhere do not count)."""
-    from core.result import _git_commit
+    """A record made from uncommitted code or rows says so beside the commit; generated results
+    and notes outside the code do not count."""
+    from core.provenance import git_state
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
     git("init", "-q")
-    (tmp_path / "core").mkdir()
+    for d in ("core", "llama3_8b", "results"):
+        (tmp_path / d).mkdir()
     (tmp_path / "core" / "a.py").write_text("x = 1\n")
+    (tmp_path / "llama3_8b" / "row.toml").write_text("x = 1\n")
+    (tmp_path / "results" / "t.md").write_text("old\n")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-    head = _git_commit(tmp_path)
-    assert head and "+" not in head
+    head = git_state(tmp_path)
+    assert head["git"] and head["git_dirty"] is False
     (tmp_path / "notes.md").write_text("results\n")
-    assert _git_commit(tmp_path) == head
-    (tmp_path / "core" / "a.py").write_text("x = 2\n")
-    assert _git_commit(tmp_path) == f"{head}+modified"
+    (tmp_path / "results" / "t.md").write_text("new\n")  # what the main job rewrites
+    assert git_state(tmp_path) == head
+    (tmp_path / "core" / "b.py").write_text("y = 1\n")  # new code, not yet added
+    assert git_state(tmp_path) == {**head, "git_dirty": True}
+    (tmp_path / "core" / "b.py").unlink()
+    (tmp_path / "llama3_8b" / "row.toml").write_text("x = 2\n")  # a row changed
+    assert git_state(tmp_path) == {**head, "git_dirty": True}
+    assert git_state(tmp_path / "nowhere") == {"git": "", "git_dirty": None}
 
 
 def test_toggles_page_renders_its_template_from_the_measurements():
