@@ -12,3 +12,13 @@ def installed_version(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+# The versions this project pins (scripts/setup.sh installs torch first, pyproject.toml pins
+# torchao): a record made with others is not a run of the suite as published.
+PINNED = {"torch": "2.13.0", "torchao": "0.18.0"}
+
+
+def base_version(version: str) -> str:
+    """`2.13.0+cu128` -> `2.13.0`: the build's local tag (CPU, CUDA) names no other release."""
+    return version.split("+", 1)[0]

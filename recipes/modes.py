@@ -106,8 +106,6 @@ class RowMode:
         """A row resolved and checked for this mode (RowRefused says why not)."""
         try:
             row = Row(recipe, self.resolve(recipe, overrides))
-            if overrides:  # the keys where this run is not the row as published (into its record)
-                row.cfg.job.deviations = registry.deviations(recipe, self.name, row.cfg.to_dict())
         except ConfigError as e:
             raise RowRefused(f"config error: {recipe.id}: {e}") from None
         self.check_row(row)

@@ -206,7 +206,8 @@ CLI_OWNED_KEYS = {
 def resolve_config(
     recipe: Recipe, mode: Mode, overrides: list[str] | tuple[str, ...] = (), check_files: bool = False
 ) -> JobConfig:
-    """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key)."""
+    """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key);
+    `job.deviations` lists the keys where the overrides change the row."""
     cfg = recipe.job_config(mode)
     for text in overrides:
         section, key, value = parse_override(text)
@@ -216,6 +217,8 @@ def resolve_config(
         apply_dict(cfg, {section: {key: value}}, "--set")
     _resolve_paths(cfg)
     cfg = validate(cfg, check_files=check_files)
+    if overrides:  # the keys where this run is not the row as published (into its record)
+        cfg.job.deviations = deviations(recipe, mode, cfg.to_dict())
     return cfg
 
 

@@ -82,8 +82,9 @@ def missing_fields(rec: dict, mode: str) -> list[str]:
     return out
 
 
-def check_record(path: Path) -> dict:
-    """The record at `path`, parsed and its fields' types checked (RecordError otherwise)."""
+def check_record(path: Path, filed: bool = True) -> dict:
+    """The record at `path`, parsed and its fields' types checked (RecordError otherwise).
+    filed: it is filed as <mode>/<id__>.json (else a run folder's result.json)."""
     try:
         rec = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as e:
@@ -101,7 +102,9 @@ def check_record(path: Path) -> dict:
             raise RecordError(f"{path}: field {field!r} is {type(value).__name__} {value!r:.40}, expected {want}")
     if any(not isinstance(x, NUMBER) or isinstance(x, bool) for x in rec.get("losses") or []):
         raise RecordError(f"{path}: field 'losses' holds a value that is not a number")
-    mode = path.parent.name  # records are filed as <mode>/<id__>.json
+    mode = path.parent.name  # records are filed as <mode>/<id__>.json ...
+    if mode not in REQUIRED_FIELDS and not filed:  # ... a run folder's result.json says its own
+        mode = rec.get("mode") if rec.get("mode") in REQUIRED_FIELDS else mode
     if mode not in REQUIRED_FIELDS:
         raise RecordError(f"{path}: in a folder named {mode!r}, not a mode ({', '.join(REQUIRED_FIELDS)})")
     if "mode" in rec and rec["mode"] != mode:
