@@ -10,10 +10,16 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+# The names atomic_path's temporary files take: `.<stem>.<mkstemp's random part>.tmp<suffix>`.
+# Kept beside it so that what is made and what is cleaned (remove_leftovers) stay one pattern.
+_TMP_MARK = ".tmp"
+_LEFTOVER = re.compile(r"\..*\.[a-z0-9_]+" + re.escape(_TMP_MARK) + r"(\.[^.]*)?")
 
 
 @contextlib.contextmanager
@@ -23,7 +29,7 @@ def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
     flush the data to the disk before the rename (assets, checkpoints' own files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f"{_TMP_MARK}{path.suffix}", dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -35,6 +41,24 @@ def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def is_leftover(name: str) -> bool:
+    """Whether a file name is one atomic_path makes for its temporary file."""
+    return _LEFTOVER.fullmatch(name) is not None
+
+
+def remove_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files a killed writer left in `folder` (not below it); returns them.
+    Only for a folder with one writer at a time (`run-recipe results`): another writer's file in
+    flight would go too, and its rename fail."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    gone = [p for p in sorted(folder.iterdir()) if is_leftover(p.name) and not p.is_dir()]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> Path:

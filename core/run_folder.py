@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from core.checkpoint.folder import INFO, CheckpointError, complete_steps, read_info, resolve, resolve_source, start_step
-from core.config import ConfigError, JobConfig, flatten_keys, save_config
+from core.config import Checkpoint, ConfigError, JobConfig, flatten_keys, save_config
 from core.fileio import atomic_copy
 from core.models.args import model_args, model_shape
 
@@ -44,6 +44,11 @@ _OWNED: set[Path] = set()  # the locks this process owns (it needs no second hol
 
 class RunDirBusy(RuntimeError):
     """The run folder is owned by another live run (exit code 2: nothing was spawned)."""
+
+
+class RunDirRefused(ConfigError):
+    """--out names a folder that is not a run's to write in: files of something else, or the
+    checkout itself (a ConfigError: exit code 2, nothing written, nothing spawned)."""
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -251,10 +256,51 @@ def lock_for_job(folders: list[Path], owned: contextlib.ExitStack) -> None:
 
 
 # ------------------------------------------------------------------------- making and claiming
+# What a run puts in its folder (the list above; `lock` and `write_job` first of all): a folder
+# holding any of them is a run's, which a new run may own and resume; other files are someone else's.
+RUN_MARKS = (LOCK, "job.json", "result.json", Checkpoint().folder)
+SHOWN_ENTRIES = 5  # the entries a refusal names
+
+
+def checkout_root() -> Path | None:
+    """The source checkout this module runs from (pyproject.toml and core/), None when installed;
+    found as core/data/store.py finds assets/ (core never imports recipes/)."""
+    repo = Path(__file__).resolve().parents[1]
+    return repo if (repo / "pyproject.toml").is_file() and (repo / "core").is_dir() else None
+
+
+def check_out_folder(run_dir: Path, given: Path | None = None) -> None:
+    """Refuse (RunDirRefused) a run folder that would mix the run's files with others': one that
+    holds files but no run (its config.json, notes or train.log would be overwritten or appended
+    to), or the checkout's root or a folder above it (`given`: DIR too when several rows run in
+    DIR/<id>). An empty, missing or earlier run's folder is fine. Nothing is written."""
+    root = checkout_root()
+    for d in (run_dir, given):
+        if d is not None and root is not None and root.is_relative_to(d.resolve()):
+            what = "is the checkout's root" if d.resolve() == root else f"holds the checkout ({root})"
+            raise RunDirRefused(
+                f"--out: {d} {what}: a run would write its files among the project's; give a folder of "
+                "its own (without --out, runs go to runs/<id>/<timestamp>)"
+            )
+    if not run_dir.is_dir() or any((run_dir / mark).exists() for mark in RUN_MARKS):
+        return
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir())
+    if not entries:
+        return
+    more = len(entries) - SHOWN_ENTRIES
+    shown = ", ".join(entries[:SHOWN_ENTRIES]) + (f" and {more} more" if more > 0 else "")
+    raise RunDirRefused(
+        f"--out: {run_dir} is not empty and holds no run (no {', '.join(RUN_MARKS)}): {shown}; a run "
+        "would overwrite or append to them: give an empty or new folder"
+    )
+
+
 def make(name: str, out: str | Path | None, several: bool, runs_root: Path) -> Path:
-    """--out DIR: DIR itself (DIR/<name> when several rows run); else <runs_root>/<name>/<timestamp>."""
+    """--out DIR: DIR itself (DIR/<name> when several rows run); else <runs_root>/<name>/<timestamp>.
+    A folder that is not a run's to write in is refused first (check_out_folder)."""
     if out:
         d = Path(out) / name if several else Path(out)
+        check_out_folder(d.resolve(), Path(out).resolve() if several else None)
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         d = runs_root / name / stamp

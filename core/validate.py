@@ -149,6 +149,27 @@ def _check_tokenizer(cfg: JobConfig) -> int:
     return tok.n_words
 
 
+def check_assets(cfg: JobConfig) -> int | None:
+    """The project's assets the run reads against assets/MANIFEST.json (one line per missing,
+    extra or changed file), then the tokenizer itself; its vocabulary size (None: synthetic data)."""
+    from core.data.verify import verify_assets  # here: it imports tiktoken
+
+    verify_assets(cfg.tokenizer.path, cfg.data.dataset, cfg.data.path)
+    if cfg.data.dataset == "synthetic":
+        return None
+    if not Path(cfg.tokenizer.path).is_file():
+        raise ConfigError(
+            f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"
+        )
+    n_words = _check_tokenizer(cfg)
+    if cfg.model.vocab_size and cfg.model.vocab_size < n_words:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is below the {n_words} ids of the tokenizer "
+            f"{cfg.tokenizer.path} (0: the tokenizer's)"
+        )
+    return n_words
+
+
 def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = True) -> JobConfig:
     """Every check that needs no process group; ConfigError naming the key. Returns a checked copy
     with the world resolved (parallelism.dp_shard = -1 filled, parallelism.world_size set); `cfg`
@@ -196,26 +217,12 @@ def validate(cfg: JobConfig, world_size: int | None = None, check_files: bool = 
     _check_layout(cfg, args)
     n_words = None  # the tokenizer's vocabulary, when its file is read
     if check_files:
-        from core.data.verify import verify_assets  # here: it imports tiktoken
-
-        # the project's assets against assets/MANIFEST.json: one line per missing, extra or changed file
-        verify_assets(cfg.tokenizer.path, cfg.data.dataset, cfg.data.path)
+        n_words = check_assets(cfg)
         if cfg.data.dataset == "c4_offline":
             try:
                 check_corpus(cfg.data.path)
             except CorpusError as e:
                 raise ConfigError(str(e)) from None
-        if cfg.data.dataset != "synthetic" and not Path(cfg.tokenizer.path).is_file():
-            raise ConfigError(
-                f"tokenizer.path: {cfg.tokenizer.path} does not exist (build it: python -m core.data.assets --all)"
-            )
-        if cfg.data.dataset != "synthetic":
-            n_words = _check_tokenizer(cfg)
-            if cfg.model.vocab_size and cfg.model.vocab_size < n_words:
-                raise ConfigError(
-                    f"model.vocab_size: {cfg.model.vocab_size} is below the {n_words} ids of the tokenizer "
-                    f"{cfg.tokenizer.path} (0: the tokenizer's)"
-                )
         if cfg.checkpoint.resume_from and not Path(cfg.checkpoint.resume_from).exists():
             raise ConfigError(f"checkpoint.resume_from: {cfg.checkpoint.resume_from} does not exist")
     if p.pp > 1 and p.pp_static_shapes:  # the stages' example shapes, with the vocabulary the model will have

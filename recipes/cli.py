@@ -366,7 +366,15 @@ def _short(v) -> str:
     "default: the paper's h100_96gb_hbm2e_500w).",
 )
 @click.option("--verbose", is_flag=True, help="Also echo the launch command and the ranks' failure reports.")
-def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu, verbose):
+@click.option(
+    "--record-deviating",
+    is_flag=True,
+    help="File the record in results/records even where the run is not the row as published (--set) and "
+    "a conforming record is there (default: it stays in the run folder; see `run-recipe check`).",
+)
+def run_cmd(
+    ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu, verbose, record_deviating
+):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
     recipes = _select(ids, table)
@@ -379,6 +387,7 @@ def run_cmd(ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, m
         sbatch_opts=tuple(sbatch_opts),
         gpu=gpu,
         verbose=verbose,
+        record_deviating=record_deviating,
     )
     runner = modes.MODES[mode](options)
     try:
@@ -408,13 +417,54 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
     )
 
 
+# -------------------------------------------------------------------------------- check
+@main.command("check")
+@click.argument("records", nargs=-1, type=click.Path(dir_okay=False))
+@options.records_dir_option("Check every record in it (<mode>/<id__>.json; default: results/records).")
+def check_cmd(records, records_dir):
+    """Whether each record is a conforming run of its row, and every reason why not.
+
+    A record conforms when it holds today's fields, ran the row's configuration for its mode in
+    full on the row's tokenizer and data, from a clean tree at a named commit on the pinned
+    torch and torchao, with figures its peak allows (docs/results.md). Exit 0 only when all do."""
+    import time
+
+    from recipes.report import compliance  # here: only this command reads records
+
+    t0 = time.perf_counter()
+    if records:
+        missing = [r for r in records if not Path(r).is_file()]
+        if missing:
+            _fail(f"error: no such record: {', '.join(missing)}", EXIT_CONFIG)
+        verdicts = [compliance.check_file(r) for r in records]
+    else:
+        folder = Path(records_dir) if records_dir else paths.default_records_dir()
+        verdicts = compliance.check_folder(folder)
+        if not verdicts:
+            _fail(f"error: --records-dir {folder}: no record in it (<mode>/<id__>.json)", EXIT_CONFIG)
+    for v in verdicts:
+        click.echo(f"{'ok  ' if v.conforms else 'FAIL'}  {paths.relative(v.path)}")
+        for reason in v.reasons:
+            click.echo(f"        {reason}")
+    ok = sum(v.conforms for v in verdicts)
+    click.echo(f"{ok} of {len(verdicts)} records conform ({time.perf_counter() - t0:.2f} s)")
+    if ok < len(verdicts):
+        sys.exit(EXIT_FAILED)
+
+
 # ------------------------------------------------------------------------------ results
 @main.command("results")
 @options.records_dir_option("Records to read (default: results/records).")
 @options.out_dir_option("Where the tables go (default: results/).")
 @click.option("--skip-bad-records", is_flag=True, help=SKIP_BAD_HELP)
-def results_cmd(records_dir, out_dir, skip_bad_records):
-    """Regenerate results/<table>.md + .csv and results/README.md from the records only."""
+@click.option(
+    "--include-deviating",
+    is_flag=True,
+    help="Also show records that are not a conforming run of their row (`run-recipe check`), each row "
+    "marked ≠ with its reasons; without it they are left out and listed.",
+)
+def results_cmd(records_dir, out_dir, skip_bad_records, include_deviating):
+    """Regenerate results/<table>.md + .csv and results/README.md from the conforming records only."""
     from recipes.report import results  # pandas + matplotlib: only for the command that writes tables
     from recipes.report.table_data import NoRecordsError, RecordError
 
@@ -422,7 +472,7 @@ def results_cmd(records_dir, out_dir, skip_bad_records):
     out = Path(out_dir) if out_dir else paths.project_root() / "results"
     options.check_writable("--out", out)
     try:
-        written = results.write_results(records, out, skip_bad_records)
+        written = results.write_results(records, out, skip_bad_records, include_deviating)
     except RecordError as e:
         _fail(f"error: {e}; no table was written (fix or remove it, or add --skip-bad-records)", EXIT_CONFIG)
     except NoRecordsError as e:

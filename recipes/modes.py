@@ -30,6 +30,7 @@ from core import run_folder
 from core.checkpoint.folder import CheckpointError
 from core.config import ConfigError, JobConfig
 from core.fileio import check_writable_folder
+from core.validate import check_assets, validate
 from recipes import hardware_check, launcher, multinode, paths, registry
 from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
 from recipes.output import Stopped, failure_cause, stream
@@ -59,6 +60,7 @@ class RunOptions:
     sbatch_opts: tuple[str, ...] = ()
     gpu: str | None = None
     verbose: bool = False  # the launch command and the ranks' failure reports on the terminal too
+    record_deviating: bool = False  # file a record that is not the row's over a conforming one
 
 
 @dataclass
@@ -147,8 +149,15 @@ class RowMode:
         return run_local_rows(local, self) if local else []
 
     def record(self, result: Path, recipe: Recipe, records_dir: Path | None) -> Path | None:
-        """The run's record copied to <records_dir>/<mode>/<id__>.json (none without a folder)."""
-        return run_folder.copy_record(result, records_dir, self.name, recipe.fname)
+        """The run's record copied to <records_dir>/<mode>/<id__>.json (none without a folder);
+        one that is not the row as published never replaces a conforming one in results/records/
+        (recipes/report/compliance.py) unless asked (--record-deviating)."""
+        from recipes.report.compliance import file_record  # here: `run`'s checks never need it
+
+        dest, note = file_record(result, records_dir, self.name, recipe.fname, self.options.record_deviating)
+        if note:
+            click.echo(f"note: {recipe.id}: {note}", err=True)
+        return dest
 
     def banner(self, row: Row) -> str:
         span = f" ({row.nnodes} nodes x {row.recipe.gpus_per_node})" if row.nnodes > 1 else ""
@@ -176,7 +185,6 @@ class ProxyMode(RowMode):
 
 class RealMode(RowMode):
     name = "real"
-    check_files = True  # on this node, --slurm and multi-node alike: the files the ranks will read
 
     def check_options(self) -> None:
         if self.options.gpu is not None:
@@ -184,6 +192,10 @@ class RealMode(RowMode):
 
     def check_row(self, row: Row) -> None:
         r = row.recipe
+        try:  # the tokenizer (and a project corpus) the ranks will read, wherever they run
+            check_assets(row.cfg)
+        except ConfigError as e:
+            raise RowRefused(f"config error: {r.id}: {e}") from None
         if row.nnodes > 1 and row.world % r.gpus_per_node:
             raise RowRefused(
                 f"config error: {r.id}: parallelism: world size {row.world} spans {row.nnodes} nodes "
@@ -195,6 +207,11 @@ class RealMode(RowMode):
                 click.echo(
                     f"warning: {r.id}: --out: {where}: every node must read job.json and write there; "
                     "use a folder on the cluster's shared file system",
+                    err=True,
+                )
+            if row.cfg.data.dataset == "c4_offline" and not Path(row.cfg.data.path).exists():
+                click.echo(  # a user's local C4 copy may live on the nodes only (node-local disks)
+                    f"warning: {r.id}: data.path: {row.cfg.data.path} is not on this host; every node must read it",
                     err=True,
                 )
             return
@@ -209,6 +226,10 @@ class RealMode(RowMode):
             )
         for note in report.notes:
             click.echo(f"note: {r.id}: {note}", err=True)
+        try:
+            validate(row.cfg, check_files=True)
+        except ConfigError as e:
+            raise RowRefused(f"config error: {r.id}: {e}") from None
 
     def env(self, world: int, **set_vars: str) -> dict[str, str]:
         # a node-local compile cache, as the sbatch script's: the checkout is often on a shared file system

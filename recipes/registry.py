@@ -24,6 +24,7 @@ from pathlib import Path
 import tomllib
 
 from core.config import JobConfig, Mode, apply_dict, flatten_keys
+from core.data.store import default_assets_root
 from core.data.verify import project_asset
 from core.errors import ConfigError
 from core.overrides import parse_override
@@ -184,13 +185,17 @@ def table_info() -> dict[str, dict]:
 
 # ------------------------------------------------------------------ a row's config for a mode
 def _resolve_paths(cfg: JobConfig) -> None:
-    """Relative asset paths: as given if they exist from the working directory, else under the
-    project root (where `python -m core.data.assets --all` puts `assets/`)."""
+    """Relative paths: `assets/...` where set-up built the assets ($TITAN_ASSETS, else the
+    checkout's assets/); others as given if they exist from the working directory, else under
+    the project root."""
     for obj, key in ((cfg.tokenizer, "path"), (cfg.data, "path"), (cfg.checkpoint, "resume_from")):
         value = getattr(obj, key)
         if value and not os.path.isabs(value):
             p = Path(value)
-            setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
+            if p.parts[0] == "assets":
+                setattr(obj, key, str(default_assets_root().resolve().joinpath(*p.parts[1:])))
+            else:
+                setattr(obj, key, str(p.resolve() if p.exists() else project_root() / p))
 
 
 # Keys the command line sets for a row, with what sets them: a `--set` of one would run one

@@ -20,6 +20,7 @@ from core.config import JOB_MARKER
 from recipes import launcher, modes, paths, registry
 from recipes.cli import main
 from tests.dist_utils import TINY_JOB
+from tests.records import conforming
 
 pytestmark = pytest.mark.core
 
@@ -183,11 +184,15 @@ def test_dry_run(tmp_path, monkeypatch, no_spawn):
     fake.dry_run = lambda cfg: seen.setdefault("cfg", cfg) and {"peak_memory_gib": 1.0}
     monkeypatch.setitem(sys.modules, "core.dryrun.record", fake)
     monkeypatch.setattr(launcher, "dry_run_available", lambda: True)
+    # the record's commit comes from git, the one process a dry-run asks of (no_spawn refuses it)
+    monkeypatch.setattr("core.result.git_state", lambda: {"git": "abc1234", "git_dirty": False})
     res = invoke("run", ROW, "--mode", "dry-run", "--out", str(tmp_path / "b"), "--records-dir", str(tmp_path / "rec"))
     assert res.exit_code == 0, res.output
     assert seen["cfg"].parallelism.world_size == 8 and seen["cfg"].model.flavor == "8B"
     rec = json.loads((tmp_path / "rec" / "dry-run" / "llama3_8b__table1__8gpu_fsdp.json").read_text())
     assert rec["recipe"] == ROW and rec["mode"] == "dry-run"
+    assert rec["versions"]["git"] == "abc1234" and rec["provenance"]["deviations"] == []
+    assert rec["provenance"]["assets"] is None  # a dry-run reads no data
     assert (tmp_path / "b" / "result.json").is_file()
 
 
@@ -266,10 +271,13 @@ def test_results_from_records_only(tmp_path):
     (rec / "proxy").mkdir(parents=True)
     base, comp = "llama3_8b/table1/8gpu_fsdp", "llama3_8b/table1/8gpu_fsdp_compile"
     for rid, tps in ((base, 1000.0), (comp, 1250.0)):
-        (rec / "proxy" / (rid.replace("/", "__") + ".json")).write_text(json.dumps(_record(rid, tps, [8.0, 7.0])))
+        (rec / "proxy" / (rid.replace("/", "__") + ".json")).write_text(
+            json.dumps(conforming(_record(rid, tps, [8.0, 7.0])))
+        )
     lc = "llama3_8b/loss_convergence/"
     for name, last in (("1d_fsdp8", 7.0), ("2d_fsdp8_cp8", 7.0 + 2e-6)):
-        (rec / "proxy" / f"{name}.json").write_text(json.dumps(_record(lc + name, 900.0, [8.0, last])))
+        record = conforming(_record(lc + name, 900.0, [8.0, last]))
+        (rec / "proxy" / ((lc + name).replace("/", "__") + ".json")).write_text(json.dumps(record))
     out = tmp_path / "results"
     res = invoke("results", "--records-dir", str(rec), "--out", str(out))
     assert res.exit_code == 0, res.output

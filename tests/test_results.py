@@ -15,6 +15,7 @@ import pytest
 from core.dryrun.gpuspec import DEFAULT_GPU, known_gpus, load_spec
 from recipes import registry
 from recipes.report import figures, loss_curves, results, table_data
+from tests.records import conforming
 
 pytestmark = pytest.mark.dryrun
 
@@ -137,9 +138,10 @@ def _dry(rid, tps, mem=70.0, **breakdown):
 
 
 def _write(root, mode, rec):
+    """A hand-made record filed as a conforming run of its row (tests/records.py)."""
     d = root / mode
     d.mkdir(parents=True, exist_ok=True)
-    (d / (rec["recipe"].replace("/", "__") + ".json")).write_text(json.dumps(rec))
+    (d / (rec["recipe"].replace("/", "__") + ".json")).write_text(json.dumps(conforming(rec)))
 
 
 @pytest.fixture
@@ -296,7 +298,8 @@ def test_loss_convergence_table_reads_at_a_glance(made):
     control, cp = body[loss_curves.control().row], body[registry.get(LC_2D).row]
     assert control[col["layout run"]] == "1D FSDP 2" and control[col[check]] == "control"
     assert cp[col["layout run"]] == "2D FSDP 2 x CP 2" and cp[col[check]] == "pass"
-    assert (cp[col["mode"]], cp[col["steps"]], cp[col["final loss"]]) == ("proxy", "3", "7.0000")
+    steps = str(registry.get(LC_2D).job_config("proxy").training.steps)  # a conforming record ran them all
+    assert (cp[col["mode"]], cp[col["steps"]], cp[col["final loss"]]) == ("proxy", steps, "7.0000")
     figure = loss_curves.COMPACT[loss_curves.CHECK_FIGURE]
     assert float(cp[col[figure]]) == 0.0 and control[col[figure]] == ""
     no_record = body[registry.get("llama3_8b/loss_convergence/3d_fsdp8_tp2_pp2").row]

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core import run_folder
 from core.config import flatten_keys
 from core.data.verify import HUB_C4, project_asset
 from core.data.verify import PINNED as PINNED_ASSETS
@@ -22,7 +23,7 @@ from core.errors import ConfigError
 from core.provenance import config_fingerprint
 from core.versions import PINNED as PINNED_VERSIONS
 from core.versions import base_version
-from recipes import registry
+from recipes import paths, registry
 from recipes.report.table_data import RecordError, check_record
 from recipes.schema import MODES, Recipe, RecipeError
 
@@ -164,3 +165,41 @@ def check_folder(records_dir: str | Path) -> list[Verdict]:
 
 def conforming(path: str | Path) -> bool:
     return Path(path).is_file() and check_file(path).conforms
+
+
+def file_record(
+    result: Path, records_dir: Path | None, mode: str, name: str, deviating_ok: bool = False
+) -> tuple[Path | None, str | None]:
+    """A run's record copied to <records_dir>/<mode>/<name>.json, unless it does not conform
+    and would replace a conforming one in the project's own records (results/records/): a smoke
+    run never rewrites a published row. Returns (where it was filed or None, a note why not).
+    Another --records-dir, or `deviating_ok` (run's --record-deviating), files it regardless."""
+    if records_dir is None:
+        return None, None
+    dest = Path(records_dir) / mode / f"{name}.json"
+    if not deviating_ok and Path(records_dir).resolve() == paths.default_records_dir().resolve():
+        verdict = check_file(result)
+        if not verdict.conforms and conforming(dest):
+            why = "; ".join(verdict.reasons[:4]) + ("; ..." if len(verdict.reasons) > 4 else "")
+            return None, (
+                f"not filed over the conforming {paths.relative(dest)}: this run is not the row as published "
+                f"({why}); its record stays in {result} (--records-dir DIR files it elsewhere, "
+                "--record-deviating here)"
+            )
+    return run_folder.copy_record(result, records_dir, mode, name), None
+
+
+def counted(records: dict, include_deviating: bool = False) -> tuple[dict, list[str]]:
+    """What the tables may show of `records` ({(id, mode): record}, as table_data.load_records
+    reads them): the conforming records; with `include_deviating` the others too, each marked
+    with its reasons (`_not_conforming`). Returns (those records, a line for each one left out)."""
+    kept, left_out = {}, []
+    for key, rec in records.items():
+        verdict = check(rec, Path(rec["_path"]))
+        if verdict.conforms:
+            kept[key] = rec
+        elif include_deviating:
+            kept[key] = {**rec, "_not_conforming": verdict.reasons}
+        else:
+            left_out.append(f"{paths.relative(verdict.path)}: " + "; ".join(verdict.reasons))
+    return kept, left_out

@@ -22,6 +22,7 @@ from core.dryrun.record import predicted_record
 from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, paths, registry
 from recipes.options import check_writable, out_dir_option, refuse
+from recipes.report import compliance
 from recipes.report.table_data import comparisons
 from recipes.schema import TABLES
 
@@ -322,7 +323,7 @@ def _run_all(records_dir: Path, fake: bool, gpu: str | None) -> None:
         run_dir = run_folder.make(r.fname, None, False, paths.default_runs_dir())
         run_folder.write_job(cfg, run_dir)
         rec = launcher.run_dry(cfg, run_dir, gpu, fake=fake)
-        run_folder.copy_record(run_dir / "result.json", records_dir, "dry-run", r.fname)
+        compliance.file_record(run_dir / "result.json", records_dir, "dry-run", r.fname)
         click.echo(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, {rec['dry_run_s']} s")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import matplotlib
 import pandas as pd
 
+from core.fileio import atomic_path
 from recipes import registry
 from recipes.report.table_data import markdown_table
 from recipes.schema import Recipe
@@ -324,8 +325,8 @@ def _difference_axis(diff, steps: int) -> None:
 
 def plot(records: dict[str, dict], results: list[dict], path: Path) -> Path:
     fig = figure(records, results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with atomic_path(path) as tmp:  # renamed, so a reader never sees half a file
+        fig.savefig(tmp)
     plt.close(fig)
     return path
 
@@ -448,7 +449,8 @@ def write_outputs(records: dict[str, dict], out_dir: Path) -> tuple[list[Path], 
     out_dir.mkdir(parents=True, exist_ok=True)
     results = check(records)
     csv = out_dir / "loss_convergence.csv"
-    df.reset_index().to_csv(csv, index=False, float_format="%.6f")
+    with atomic_path(csv) as tmp:
+        df.reset_index().to_csv(tmp, index=False, float_format="%.6f")
     png = plot(records, results, out_dir / "loss_convergence.png")
     walls = {rid: rec["wall_s"] for rid, rec in records.items() if rec.get("wall_s") is not None}
     return [csv, png], markdown(records, results, walls)

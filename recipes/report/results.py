@@ -25,10 +25,10 @@ from typing import Any
 import pandas as pd
 import tomllib
 
-from core.fileio import atomic_path, atomic_write
+from core.fileio import atomic_path, atomic_write, remove_leftovers
 from recipes import registry
 from recipes.paths import relative
-from recipes.report import figures, loss_curves
+from recipes.report import compliance, figures, loss_curves
 from recipes.report.table_data import NoRecordsError, load_records, markdown_table, predicted_part, table_frame
 from recipes.schema import TABLES, Recipe
 
@@ -204,25 +204,36 @@ def prose() -> dict:
     return tomllib.loads(template.read_text(encoding="utf-8"))
 
 
-def write_results(records_dir: str | Path, out_dir: str | Path, skip_bad_records: bool = False) -> list[Path]:
+def table_records(records_dir: str | Path, skipped: list[str] | None = None, include_deviating: bool = False):
+    """(records the tables may show, a line for each record not counted): the records of the
+    folder that parse (table_data.load_records), kept when they conform (recipes/report/compliance.py)."""
+    return compliance.counted(load_records(records_dir, skipped), include_deviating)
+
+
+def write_results(
+    records_dir: str | Path, out_dir: str | Path, skip_bad_records: bool = False, include_deviating: bool = False
+) -> list[Path]:
     """Write every table (.md + .csv) and README.md into out_dir. Returns the files written.
     A bad record raises RecordError before anything is written; with `skip_bad_records` it is
-    left out, and the tables and README say which and why. A folder with no usable record raises
-    NoRecordsError, also before anything is written: its tables would be blank."""
+    left out, and the tables and README say which and why. A record that is not a conforming run
+    of its row is left out and listed (`include_deviating`: shown, marked). A folder with no
+    usable record raises NoRecordsError, also before anything is written: its tables would be blank."""
     skipped: list[str] | None = [] if skip_bad_records else None
-    records = load_records(records_dir, skipped)
-    if not records:
+    records, not_counted = table_records(records_dir, skipped, include_deviating)
+    if not records and not not_counted:
         raise NoRecordsError(f"{records_dir}: no usable record ({len(skipped or [])} skipped as bad)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)  # the temporary files of a run killed mid-write (core/fileio.py)
     info = registry.table_info()
     written: list[Path] = []
     index = []
+    left = {"skipped_records": skipped or [], "not_counted": not_counted}
     for table in TABLES:
-        entry, files = _write_table(table, info.get(table, {}), records, out, skipped or [])
+        entry, files = _write_table(table, info.get(table, {}), records, out, left)
         written += files
         index.append(entry)
-    atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written), skipped or []))
+    atomic_write(out / "README.md", _readme(records, Path(records_dir), out, index, set(written), left))
     written.append(out / "README.md")
     return written
 
@@ -231,13 +242,15 @@ def write_table(records_dir: str | Path, out_dir: str | Path, table: str) -> lis
     """One table's files into out_dir (its .md, CSV and figure; the loss-convergence curves),
     nothing else: a study that makes one table leaves the other tables and README.md as they are.
     RecordError / NoRecordsError as write_results, before anything is written."""
-    records = load_records(records_dir)
+    records, not_counted = table_records(records_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return _write_table(table, registry.table_info().get(table, {}), records, out, [])[1]
+    return _write_table(table, registry.table_info().get(table, {}), records, out, {"not_counted": not_counted})[1]
 
 
-def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list[str]) -> tuple[tuple, list[Path]]:
+def _write_table(
+    table: str, meta: dict, records: dict, out: Path, left: dict[str, list[str]]
+) -> tuple[tuple, list[Path]]:
     """<table>.md, its CSV and figure; returns (its README index entry, the files written)."""
     recipes = registry.by_table(table)
     df = table_frame(table, records, recipes)
@@ -245,7 +258,8 @@ def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list
         df = loss_curves.with_check(df, records)
     title = meta.get("title", table)
     csv_name = table_csv_name(table)
-    df.to_csv(out / csv_name, index=False)
+    with atomic_path(out / csv_name) as tmp:  # a reader (or a kill) never sees half a table
+        df.to_csv(tmp, index=False)
     n_ours = int(df["ours mode"].notna().sum())
     md = [f"# {title}", "", meta.get("caption", ""), ""]
     written = [out / f"{table}.md", out / csv_name]
@@ -261,9 +275,7 @@ def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list
             written.append(png)
         md += [to_markdown(df, recipes, compact=True), "", *provenance_lines(df, recipes, records, fig), ""]
     md += [prose()["table_footer"].format(n_ours=n_ours, n_rows=len(df), csv=csv_name), ""]
-    mine = [why for why in skipped if Path(why.split(":", 1)[0]).stem in {r.fname for r in recipes}]
-    if mine:
-        md += [prose()["skipped_records"], "", *(f"- {why}" for why in mine), ""]
+    md += _left_out(left, recipes, records)
     if table == "loss_convergence":
         # the curves, their plot and check: from the same records
         ids = {r.id for r in recipes}
@@ -275,8 +287,25 @@ def _write_table(table: str, meta: dict, records: dict, out: Path, skipped: list
     return (table, title, len(df), n_ours, csv_name, fig), written
 
 
+def _left_out(left: dict[str, list[str]], recipes: list[Recipe], records: dict) -> list[str]:
+    """The sections under a table: its rows' records skipped as bad or not counted, and those
+    shown though they are not the row's run as published (--include-deviating)."""
+    fnames = {r.fname for r in recipes}
+    lines = []
+    for key, whys in left.items():
+        mine = [why for why in whys if Path(why.split(":", 1)[0]).stem in fnames]
+        if mine:
+            lines += [prose()[key], "", *(f"- {why}" for why in mine), ""]
+    shown = [
+        f"- {relative(Path(rec['_path']))}: {'; '.join(rec['_not_conforming'])}"
+        for (rid, _), rec in sorted(records.items())
+        if rec.get("_not_conforming") and Path(rec["_path"]).stem in fnames
+    ]
+    return lines + ([prose()["included_deviating"], "", *shown, ""] if shown else [])
+
+
 def _readme(
-    records: dict, records_dir: Path, out: Path, index: list[tuple], written: set[Path], skipped: list[str]
+    records: dict, records_dir: Path, out: Path, index: list[tuple], written: set[Path], left: dict[str, list[str]]
 ) -> str:
     """results/README.md: the tables' index, the other results files, how each number was made,
     and the records used."""
@@ -299,8 +328,9 @@ def _readme(
         lines += [f"| [{name}]({name}) | {what} |" for name, what in others]
     lines += ["", text["how"], "## Records used", ""]
     lines.append(_records_table(records) if records else text["no_records"])
-    if skipped:
-        lines += ["", "## Records skipped", "", text["skipped_records"], "", *(f"- {why}" for why in skipped)]
+    for key, heading in (("skipped_records", "Records skipped"), ("not_counted", "Records not counted")):
+        if left.get(key):
+            lines += ["", f"## {heading}", "", text[key], "", *(f"- {why}" for why in left[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -328,6 +358,12 @@ def _other_files(out: Path, written: set[Path]) -> list[tuple[str, str]]:
             found.append((name, what))
     known = {n for n, _ in found} | generated
     for path in sorted(out.glob("*")):
-        if path.is_file() and path.suffix in (".md", ".csv", ".png", ".json") and path.name not in known:
+        # hidden files (a killed writer's leftovers among them) are nobody's results
+        if (
+            path.is_file()
+            and not path.name.startswith(".")
+            and path.suffix in (".md", ".csv", ".png", ".json")
+            and path.name not in known
+        ):
             found.append((path.name, ""))
     return found

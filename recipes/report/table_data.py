@@ -264,6 +264,16 @@ def toggle_notes(rec: dict) -> str:
     return "; ".join(notes)
 
 
+def deviation_note(ours: dict | None, dry: dict | None) -> str:
+    """Why the row's records are not its run as published (compliance.counted marks them), or ""."""
+    notes = [
+        f"{what} record not conforming: {'; '.join(rec['_not_conforming'])}"
+        for what, rec in (("our", ours), ("dry-run", dry))
+        if rec and rec.get("_not_conforming")
+    ]
+    return "; ".join(notes)
+
+
 # ------------------------------------------------------------------------------------ tables
 def markdown_table(frame: pd.DataFrame, **options: Any) -> str:
     """A frame of strings as a GitHub table (`to_markdown`, numbers kept as written), every `|` of
@@ -272,6 +282,28 @@ def markdown_table(frame: pd.DataFrame, **options: Any) -> str:
     escaped = frame.astype(str).apply(lambda col: col.str.replace("|", "\\|", regex=False))
     escaped.columns = [str(c).replace("|", "\\|") for c in frame.columns]
     return escaped.to_markdown(index=False, disable_numparse=True, **options)
+
+
+def _predicted_columns(r: Recipe, dry: dict | None, base: tuple[bool, str | None], records: dict, loss: bool) -> dict:
+    """A row's columns from the performance model's part of its dry-run record; base: (whether the
+    table has baselines, the id this row's gain is over)."""
+    ref, pred, row = r.reference, predicted_part(dry), {}
+    tps_pred = _num(pred.get("tokens_per_sec_per_gpu"))
+    row["predicted TPS/GPU"] = tps_pred
+    if not loss:
+        row["predicted TPS error %"] = _gain(tps_pred, _num(ref.get("paper_tps_per_gpu")))
+        has_baseline, base_id = base
+        if has_baseline:
+            base_pred = _num(predicted_part(records.get((base_id, "dry-run"))).get("tokens_per_sec_per_gpu"))
+            row["predicted gain %"] = _gain(tps_pred, base_pred) if base_id else None
+        row["dry-run mem error %"] = _gain(_dry_mem(dry), _num(ref.get("paper_mem_gib")))
+    mfu_pred = _num(pred.get("mfu"))
+    row["predicted MFU %"] = round(100.0 * mfu_pred, 2) if mfu_pred is not None else None
+    row["predicted step s"] = _num(pred.get("step_time_s"))
+    row["predicted GPU"] = pred.get("gpu")
+    row["predicted fits GPU"] = pred.get("fits")
+    row["calibrated on"] = ", ".join(calibrated_constants(pred.get("calibration"), r.id)) or None
+    return row
 
 
 def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) -> pd.DataFrame:
@@ -325,25 +357,15 @@ def table_frame(table: str, records: dict, recipes: list[Recipe] | None = None) 
         if has_pp:
             bubble = _num(ours.get("pp_bubble_fraction")) if ours else None
             row["ours PP bubble %"] = 100.0 * bubble if bubble is not None else None
-        row["ours notes"] = (toggle_notes(ours) or None) if ours else None
+        row["ours notes"] = (
+            "; ".join(n for n in (deviation_note(ours, dry), toggle_notes(ours) if ours else "") if n) or None
+        )
+        if deviation_note(ours, dry):  # shown only with `results --include-deviating`: marked
+            row["row"] = f"{r.row} ≠"
         row["dry-run est. mem GiB"] = _dry_mem(dry)
         row["recipe"] = r.id
         # the performance model's columns: after today's, so every reader of those keeps working
-        pred = predicted_part(dry)
-        tps_pred = _num(pred.get("tokens_per_sec_per_gpu"))
-        row["predicted TPS/GPU"] = tps_pred
-        if not loss_table:
-            row["predicted TPS error %"] = _gain(tps_pred, _num(ref.get("paper_tps_per_gpu")))
-            if has_baseline:
-                base_pred = _num(predicted_part(records.get((base_id, "dry-run"))).get("tokens_per_sec_per_gpu"))
-                row["predicted gain %"] = _gain(tps_pred, base_pred) if base_id else None
-            row["dry-run mem error %"] = _gain(_dry_mem(dry), _num(ref.get("paper_mem_gib")))
-        mfu_pred = _num(pred.get("mfu"))
-        row["predicted MFU %"] = round(100.0 * mfu_pred, 2) if mfu_pred is not None else None
-        row["predicted step s"] = _num(pred.get("step_time_s"))
-        row["predicted GPU"] = pred.get("gpu")
-        row["predicted fits GPU"] = pred.get("fits")
-        row["calibrated on"] = ", ".join(calibrated_constants(pred.get("calibration"), r.id)) or None
+        row.update(_predicted_columns(r, dry, (has_baseline, base_id), records, loss_table))
         rows.append(row)
     df = pd.DataFrame(rows)
     if "predicted fits GPU" in df:

@@ -35,6 +35,7 @@ from recipes import launcher, modes, options, paths, registry
 from recipes.options import check_writable, refuse
 from recipes.output import Stopped, stop_on_signals
 from recipes.report import results, table_data
+from recipes.report.compliance import file_record
 from recipes.report.loss_curves import TOLERANCE, check, column, control, record_label, rows
 from recipes.schema import Recipe
 
@@ -144,7 +145,7 @@ def run_row(
     with run_folder.lock(run_dir):  # owned while it runs, as `run-recipe run` owns its folder
         finished = _finished(run_dir, cfg) if resumable else None
         if finished is not None:
-            run_folder.copy_record(run_dir / "result.json", records_dir, "proxy", recipe.fname)
+            _file(run_dir / "result.json", records_dir, recipe)
             return finished, 0.0
         run_folder.check_resume(cfg, run_dir)
         return _attempts(recipe, cfg, run_dir, records_dir, echo, resumable)
@@ -192,8 +193,16 @@ def _attempts(
     if record.get("start_step"):
         record = _stitch(run_dir, record, attempt)
         atomic_write_json(result, record)
-    run_folder.copy_record(result, records_dir, "proxy", recipe.fname)
+    _file(result, records_dir, recipe)
     return record, wall
+
+
+def _file(result: Path, records_dir: Path | None, recipe: Recipe) -> None:
+    """Into the records, unless a run that is not the row (e.g. --steps) would replace a
+    conforming record in results/records/ (recipes/report/compliance.py)."""
+    _, note = file_record(result, records_dir, "proxy", recipe.fname)
+    if note:
+        click.echo(f"note: {recipe.id}: {note}", err=True)
 
 
 def golden_payload(records: dict[str, dict]) -> dict:

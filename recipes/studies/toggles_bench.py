@@ -21,7 +21,6 @@ is in toggles_interleaved, the cold-compile probe in toggles_probe, the Float8 s
 
 from __future__ import annotations
 
-import json
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from tabulate import tabulate
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from core.fileio import atomic_write, atomic_write_json
 from recipes import paths
 from recipes.report.results import write_csv
 from recipes.studies.common import one_rank_group
@@ -263,8 +263,8 @@ def write_results(m: dict, results_dir: Path | None = None) -> None:
     results_dir = results_dir or paths.results_root()
     results_dir.mkdir(parents=True, exist_ok=True)
     write_csv(results_dir / "toggles.csv", csv_rows(m), CSV_COLUMNS)
-    (results_dir / "toggles.md").write_text(markdown(m))
-    (results_dir / "toggles.json").write_text(json.dumps(m, indent=1) + "\n")
+    atomic_write(results_dir / "toggles.md", markdown(m))
+    atomic_write_json(results_dir / "toggles.json", m, indent=1)
 
 
 def benchmark_rows(quick: bool = False) -> list[dict]:
