@@ -45,6 +45,10 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
         "recipes.studies.convergence:convergence",
         "The four loss-convergence rows as proxies, plotted and checked vs 1D.",
     ),
+    "check": (
+        "recipes.report.check:check_cmd",
+        "Whether each record is a conforming run of its row, and every reason why not.",
+    ),
     "cp-memory": ("recipes.studies.cp_memory:cp_memory", "Activation memory per rank at CP 1, 2, 4."),
     "dry-run-table": (
         "recipes.report.dryrun_table:main",
@@ -372,8 +376,25 @@ def _short(v) -> str:
     help="File the record in results/records even where the run is not the row as published (--set) and "
     "a conforming record is there (default: it stays in the run folder; see `run-recipe check`).",
 )
+@click.option(
+    "--skip-memory-check",
+    is_flag=True,
+    help="proxy: run even where the dry-run's memory accounting says the ranks do not fit in this host's memory.",
+)
 def run_cmd(
-    ids, table, mode, overrides, out, records_dir, slurm, sbatch_opts, max_restarts, gpu, verbose, record_deviating
+    ids,
+    table,
+    mode,
+    overrides,
+    out,
+    records_dir,
+    slurm,
+    sbatch_opts,
+    max_restarts,
+    gpu,
+    verbose,
+    record_deviating,
+    skip_memory_check,
 ):
     """Run recipe rows in a mode: validate first, then launch torchrun (or print / write the
     multi-node launch)."""
@@ -388,6 +409,7 @@ def run_cmd(
         gpu=gpu,
         verbose=verbose,
         record_deviating=record_deviating,
+        skip_memory_check=skip_memory_check,
     )
     runner = modes.MODES[mode](options)
     try:
@@ -415,41 +437,6 @@ def _stopped_line(e: output.Stopped, mode: str, overrides) -> str:
         f"\nstopped by {e}: {row.recipe.id} in {row.run_dir}; {ckpt}; resume with: "
         f"run-recipe run {row.recipe.id} --mode {mode} --out {shlex.quote(str(row.run_dir))}{sets}"
     )
-
-
-# -------------------------------------------------------------------------------- check
-@main.command("check")
-@click.argument("records", nargs=-1, type=click.Path(dir_okay=False))
-@options.records_dir_option("Check every record in it (<mode>/<id__>.json; default: results/records).")
-def check_cmd(records, records_dir):
-    """Whether each record is a conforming run of its row, and every reason why not.
-
-    A record conforms when it holds today's fields, ran the row's configuration for its mode in
-    full on the row's tokenizer and data, from a clean tree at a named commit on the pinned
-    torch and torchao, with figures its peak allows (docs/results.md). Exit 0 only when all do."""
-    import time
-
-    from recipes.report import compliance  # here: only this command reads records
-
-    t0 = time.perf_counter()
-    if records:
-        missing = [r for r in records if not Path(r).is_file()]
-        if missing:
-            _fail(f"error: no such record: {', '.join(missing)}", EXIT_CONFIG)
-        verdicts = [compliance.check_file(r) for r in records]
-    else:
-        folder = Path(records_dir) if records_dir else paths.default_records_dir()
-        verdicts = compliance.check_folder(folder)
-        if not verdicts:
-            _fail(f"error: --records-dir {folder}: no record in it (<mode>/<id__>.json)", EXIT_CONFIG)
-    for v in verdicts:
-        click.echo(f"{'ok  ' if v.conforms else 'FAIL'}  {paths.relative(v.path)}")
-        for reason in v.reasons:
-            click.echo(f"        {reason}")
-    ok = sum(v.conforms for v in verdicts)
-    click.echo(f"{ok} of {len(verdicts)} records conform ({time.perf_counter() - t0:.2f} s)")
-    if ok < len(verdicts):
-        sys.exit(EXIT_FAILED)
 
 
 # ------------------------------------------------------------------------------ results

@@ -61,6 +61,7 @@ class RunOptions:
     gpu: str | None = None
     verbose: bool = False  # the launch command and the ranks' failure reports on the terminal too
     record_deviating: bool = False  # file a record that is not the row's over a conforming one
+    skip_memory_check: bool = False  # proxy: run even where the accounting says the host is too small
 
 
 @dataclass
@@ -181,6 +182,25 @@ class ProxyMode(RowMode):
 
     def shares_launch(self) -> bool:
         return not self.options.max_restarts  # a restart resumes one job
+
+    def check_row(self, row: Row) -> None:
+        """A proxy whose ranks would not fit in this host's memory is refused before they take it
+        (an 8B proxy's ranks would allocate until the OOM killer ends them, or someone else)."""
+        if self.options.skip_memory_check:
+            return
+        import psutil
+
+        from core.dryrun.memory import proxy_host_gib  # the dry-run's accounting (no torch)
+
+        per_rank, need = proxy_host_gib(row.cfg)
+        have = psutil.virtual_memory().available / 2**30
+        if need > have:
+            raise RowRefused(
+                f"error: {row.recipe.id}: proxy mode needs about {need:,.1f} GiB ({row.world} ranks x "
+                f"{per_rank:,.1f} GiB: model.flavor={row.cfg.model.flavor}, by the dry-run's memory accounting) "
+                f"and this machine has {have:,.1f} GiB available; use a smaller model.flavor (or fewer layers, "
+                "a shorter training.seq_len), or --skip-memory-check to run anyway"
+            )
 
 
 class RealMode(RowMode):

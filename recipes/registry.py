@@ -234,7 +234,8 @@ def deviations(recipe: Recipe, mode: Mode, config: dict, assets: dict | None = N
     row's, told by which project asset it is (`assets`: a record's own names for them, read where
     the paths are another machine's; else looked up here)."""
     canonical = flatten_keys(resolve_config(recipe, mode).to_dict())
-    ours = flatten_keys(config)
+    # a key the record lacks came after it: it ran as the key's default does (keys are added so)
+    ours = {**flatten_keys(JobConfig().to_dict()), **flatten_keys(config)}
     keys = list(canonical) + [k for k in ours if k not in canonical]
     out = [k for k in keys if k not in RUN_LOCAL_KEYS and ours.get(k, _ABSENT) != canonical.get(k, _ABSENT)]
     dataset = ours.get("data.dataset")
