@@ -43,3 +43,14 @@ def copy_committed(rel: str, dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(committed_bytes(rel))
     return dest
+
+
+def copy_committed_tree(rel_dir: str, dest: Path) -> Path:
+    """Every file committed under `rel_dir` (one level of sub-folders, as results/records/<mode>/)
+    copied below `dest`, keeping their paths relative to `rel_dir`."""
+    for sub in [rel_dir.rstrip("/")] + [f"{rel_dir.rstrip('/')}/{m}" for m in ("real", "proxy", "dry-run")]:
+        for rel in committed_names(sub):
+            if (ROOT / rel).is_dir() or not Path(rel).suffix:
+                continue
+            copy_committed(rel, dest / Path(rel).relative_to(rel_dir))
+    return dest

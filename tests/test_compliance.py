@@ -18,7 +18,7 @@ from core.provenance import config_fingerprint, provenance
 from recipes import paths, registry
 from recipes.cli import main
 from recipes.report import compliance
-from tests.committed import ROOT, committed_bytes, committed_names
+from tests.committed import ROOT, committed_bytes, copy_committed_tree
 
 pytestmark = pytest.mark.core
 
@@ -32,11 +32,7 @@ def invoke(*args: str):
 
 def committed_records(dest: Path) -> Path:
     """results/records as committed (the main job rewrites the working tree's), copied to dest."""
-    for rel in committed_names("results/records/proxy") + committed_names("results/records/dry-run"):
-        target = dest / Path(rel).relative_to("results/records")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(committed_bytes(rel))
-    return dest
+    return copy_committed_tree("results/records", dest)
 
 
 def test_every_committed_record_conforms(tmp_path):

@@ -6,7 +6,6 @@ on a copy of results/records, never against typed-in content."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from core.fileio import atomic_path, is_leftover, remove_leftovers
 from recipes.report import results
+from tests.committed import copy_committed_tree
 
 pytestmark = pytest.mark.dryrun
 
@@ -27,9 +27,8 @@ LEFTOVERS = (".table1.xyz.tmp.png", ".loss_convergence.abc.tmp.csv")
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("records") / "records"
-    shutil.copytree(ROOT / "results" / "records", dest)
-    return dest
+    # as committed: the main job rewrites the working tree's records
+    return copy_committed_tree("results/records", tmp_path_factory.mktemp("records") / "records")
 
 
 def _files(out: Path) -> dict[str, bytes]:
