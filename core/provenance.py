@@ -62,8 +62,8 @@ def asset_identity(cfg: JobConfig) -> dict:
     d = cfg.data
     data: dict = {"dataset": d.dataset}
     if d.dataset == "c4_offline":
-        files = corpus_files(d.path)
-        data.update(asset=project_asset(d.path, "corpus"), digest=files_digest(files), files=files)
+        files, kind = corpus_files(d.path)
+        data.update(asset=project_asset(d.path, "corpus"), digest=files_digest(files), files=files, files_by=kind)
     elif d.dataset == "c4":
         # streamed from the hub's main branch: its name and revision are the identity
         data.update(name=HUB_C4, config="en", revision="main")
