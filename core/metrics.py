@@ -172,8 +172,12 @@ def peak_memory_gib() -> float:
 
 
 def reset_peak_memory() -> None:
-    """CUDA: start a new peak. CPU: nothing (peak RSS is the process's, it cannot be reset)."""
+    """CUDA: start a new peak, the allocator's cache released first: reserved memory counts cached
+    blocks, so without it the new peak could never fall below what step 1 reserved (compile
+    workspaces, the pipeline's shape inference). CPU: nothing (peak RSS cannot be reset)."""
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 

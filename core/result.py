@@ -115,7 +115,7 @@ def _memory(o: TrainOutcome) -> dict:
         "peak_memory_gib_per_rank": o.peak_memory_gib_per_rank,
         "first_step_peak_memory_gib": max((m for m in first if m is not None), default=None),
         "first_step_peak_memory_gib_per_rank": first,
-        "memory_kind": "cuda max reserved, reset after step 1"
+        "memory_kind": "cuda max reserved, cache emptied and peak reset after step 1"
         if o.device_type == "cuda"
         else "cpu peak RSS (cannot be reset: includes step 1)",
         "param_bytes_per_rank": o.param_bytes_per_rank,

@@ -15,6 +15,7 @@ import torch
 
 from core import hardware, metrics, run_folder
 from core.config import ConfigError, load_config
+from core.metrics import PeakFlops
 from core.result import _throughput
 from recipes import launcher, multinode, registry
 from tests.dist_utils import ROOT, TINY_JOB
@@ -136,7 +137,8 @@ def test_a_gpu_is_matched_by_its_whole_name(name, model):
 def test_mfu_is_empty_without_a_peak():
     class Outcome:
         step_times_s, data_times_s = [1.0, 1.0], [0.1, 0.1]
-        tokens_per_step, world_size, flops_per_token, peak_flops = 8192, 8, 6e9, None
+        tokens_per_step, world_size, flops_per_token = 8192, 8, 6e9
+        peak = PeakFlops(None, "no peak known", None)
 
     out = _throughput(Outcome())
     assert out["mfu"] is None and out["tokens_per_sec_per_device"] == 1024.0
@@ -180,3 +182,14 @@ def test_the_hub_is_checked_once_per_node(monkeypatch):
 class _Stream:
     def state_dict(self):
         return {}
+
+
+def test_the_steady_cuda_peak_starts_from_an_emptied_cache(monkeypatch):
+    """Reserved memory counts the allocator's cached blocks: the peak reset after step 1 releases
+    them first, or the steady peak could never fall below step 1's (preflight does the same)."""
+    calls = []
+    monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: True)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(metrics.torch.cuda, name, lambda n=name: calls.append(n))
+    metrics.reset_peak_memory()
+    assert calls == ["synchronize", "empty_cache", "reset_peak_memory_stats"]
