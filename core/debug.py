@@ -10,12 +10,15 @@ is a RuntimeError) and on SIGTERM (torchrun stopping the surviving ranks), to th
 Gloo entries stay "scheduled" (no completion times) and their dumps carry no process-group
 table, which `dump_flight_recorder` fills in so torch's `torchfrtrace` can read them.
 
-Read dumps: `python -m core.debug fr <dir>` (our summary: who is behind, in which group, on
-which collective) or `python -m core.debug fr <dir> --torchfrtrace` (torch's analyser).
+Read dumps: `python -m core.debug fr <dir>` (our summary: who left no dump, who is behind, in which
+group, on which collective) or `... --torchfrtrace` (torch's analyser); both read a dump only through
+an allowlist (`load_dump`: a crafted pickle is refused, naming the file). A collective that times out
+names the rank(s) that never reached it, not the survivor (`report_failure`, `name_the_hung`).
 
 Timeouts (as torchtitan): `comm.init_timeout_seconds` for process-group creation and the first
 step (lazy init, compilation), then `set_pg_timeouts(comm.train_timeout_seconds)` on every group
-but the checkpoint's (`comm.checkpoint_timeout_seconds`, core/checkpoint/collectives.py). A compiled
+but those made with a timeout of their own (core/group_timeouts.py: the checkpoint's, its async
+save's poll group, the profiler's gather group). A compiled
 pipeline's first step compiles rank after rank, so its timeout grows with pp (`first_step_timeout`,
 stated in the result record).
 
@@ -29,8 +32,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
+import json
 import os
 import pickle
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # private: group registry, timeout setter
 
 from core.fileio import atomic_write
+from core.jobs import rank_prefix
 from core.logs import get_logger
 
 log = get_logger(__name__)
@@ -158,11 +166,12 @@ def _dump(cfg, reason: str) -> Path:
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
     raw = (dump or c10d._dump_fr_trace)()
-    data = pickle.loads(raw)
+    data = pickle.loads(raw)  # torch's own bytes, from this process's memory: no file anyone could craft
     config = data.get("pg_config") or {}
     if not any(v.get("ranks", "[]") != "[]" for v in config.values()):
         data["pg_config"] = _pg_config()
     data["titan_reason"] = reason
+    data["titan_launch"] = launch_id()  # which launch wrote it: a resumed run's folder keeps older dumps
     folder = fr_folder(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     # NCCL's watchdog may write rank_<R> at the same moment (a timeout then SIGTERM): our own name
@@ -185,82 +194,144 @@ def dump_on_sigterm(cfg) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+# ------------------------------------------------------------------------ reading dumps safely
+class UnsafeDump(ValueError):
+    """A file that is not a Flight Recorder dump as torch or this project writes one: refused
+    before anything in it runs (a pickle can name any callable; plain pickle would call it)."""
+
+
+# torch's dumps (gloo and NCCL: one C++ recorder) and ours hold only dicts, lists, tuples, strings,
+# numbers, booleans and None: no global at all (pickletools on torch 2.13's). torch's C++ pickler
+# writes a typed list through these three, which only return the list they are given.
+_LIST_BUILDERS = frozenset(("torch.jit._pickle", n) for n in ("build_intlist", "build_doublelist", "build_boollist"))
+
+
+class _DumpUnpickler(pickle.Unpickler):
+    """pickle's reader with no callable to call but `list` (torch's `weights_only` is the model)."""
+
+    def find_class(self, module, name):
+        if (module, name) in _LIST_BUILDERS:
+            return list
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no Flight Recorder dump does")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("it holds a persistent id, which no Flight Recorder dump does")
+
+
+def load_dump(data: bytes, name: str | os.PathLike) -> dict:
+    """A Flight Recorder dump's content, read with the allowlist above; UnsafeDump names `name`."""
+    try:
+        out = _DumpUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 -- whatever a crafted or torn file raises, it is refused
+        raise UnsafeDump(f"{name}: refused, not a Flight Recorder dump: {type(e).__name__}: {e}") from None
+    if not isinstance(out, dict) or not isinstance(out.get("entries", []), list):
+        raise UnsafeDump(f"{name}: refused, not a Flight Recorder dump: holds a {type(out).__name__}")
+    return out
+
+
 def read_traces(folder: str | os.PathLike) -> dict[int, dict]:
     """{rank: dump} of the `rank_N` files of a folder (NCCL's watchdog, or ours on gloo), and of
-    our own `titan_rank_N` (CUDA) for ranks the watchdog did not dump."""
+    our own `titan_rank_N` (CUDA) for ranks the watchdog did not dump. Read with `load_dump`:
+    a file that is not a dump raises UnsafeDump, naming it."""
     out = {}
     for prefix in (OWN_PREFIX, FR_PREFIX):  # the watchdog's dump wins where both exist
         for f in sorted(Path(folder).glob(f"{prefix}*")):
             suffix = f.name[len(prefix) :]
             if suffix.isdigit():
-                with open(f, "rb") as fh:
-                    out[int(suffix)] = pickle.load(fh)
+                out[int(suffix)] = load_dump(f.read_bytes(), f)
     if not out:
         raise FileNotFoundError(f"{folder}: no Flight Recorder dumps ({FR_PREFIX}N files)")
     return out
 
 
-def analyze(traces: dict[int, dict]) -> dict:
-    """Per group: each rank's last enqueued collective, and which ranks lag behind the rest
-    (on a hang, they never issued the collective the others are blocked in)."""
+def world_of(traces: dict[int, dict]) -> list[int]:
+    """Every rank of the job, as the dumps' process-group tables list them (and the dumps' own)."""
+    ranks = set(traces)
+    for d in traces.values():
+        for g in (d.get("pg_config") or {}).values():
+            try:
+                ranks.update(int(r) for r in json.loads(g.get("ranks", "[]")))
+            except (ValueError, TypeError, AttributeError):
+                continue
+    return sorted(ranks)
+
+
+def _last_per_group(traces: dict[int, dict]) -> dict[str, dict]:
+    """{group: {desc, last: {rank: its last entry in that group}}}."""
     groups: dict[str, dict] = {}
     for rank, d in traces.items():
         for e in d.get("entries", []):
             name, desc = e["process_group"]
-            g = groups.setdefault(name, {"desc": desc, "last": {}, "ops": {}})
-            seq = e.get("collective_seq_id", 0)
-            if seq >= g["last"].get(rank, (-1,))[0]:
-                g["last"][rank] = (seq, e["profiling_name"], e.get("state"), e.get("input_sizes"))
-            g["ops"][(rank, seq)] = e["profiling_name"]
-    report = {"ranks": sorted(traces), "groups": {}, "lagging": []}
-    for name, g in groups.items():
-        seqs = {r: v[0] for r, v in g["last"].items()}
+            g = groups.setdefault(name, {"desc": desc, "last": {}})
+            if e.get("collective_seq_id", 0) >= g["last"].get(rank, {}).get("collective_seq_id", -1):
+                g["last"][rank] = e
+    return groups
+
+
+def analyze(traces: dict[int, dict]) -> dict:
+    """Per group: each rank's last enqueued collective, and which ranks lag behind the rest
+    (on a hang, they never issued the collective the others are blocked in). `missing`: ranks
+    of the job with no dump, the prime suspects (a stopped or stuck rank cannot dump);
+    `waiting_in`: the latest collective the ranks that dumped issued."""
+    missing = sorted(set(world_of(traces)) - set(traces))
+    report = {"ranks": sorted(traces), "missing": missing, "groups": {}, "lagging": [], "waiting_in": None}
+    latest = -1
+    for name, g in _last_per_group(traces).items():
+        seqs = {r: e.get("collective_seq_id", 0) for r, e in g["last"].items()}
         top = max(seqs.values())
         behind = sorted(r for r, s in seqs.items() if s < top)
-        ahead = [r for r, s in seqs.items() if s == top]
+        ahead = sorted(r for r, s in seqs.items() if s == top)
         stuck = g["last"][ahead[0]]
-        report["groups"][name] = {
-            "desc": g["desc"],
-            "last_seq": seqs,
-            "stuck_in": {"seq": stuck[0], "op": stuck[1], "state": stuck[2], "sizes": stuck[3]},
-        }
+        op = {"group": name, "desc": g["desc"], "op": stuck["profiling_name"], "seq": top}
+        stuck_in = {"seq": top, "op": op["op"], "state": stuck.get("state"), "sizes": stuck.get("input_sizes")}
+        report["groups"][name] = {"desc": g["desc"], "last_seq": seqs, "stuck_in": stuck_in}
+        if (stuck.get("time_created_ns") or 0) > latest:
+            latest, report["waiting_in"] = stuck.get("time_created_ns") or 0, op
         if behind:
-            report["lagging"].append(
-                {
-                    "group": name,
-                    "desc": g["desc"],
-                    "ranks": behind,
-                    "waiting_ranks": sorted(ahead),
-                    "op": stuck[1],
-                    "seq": stuck[0],
-                }
-            )
+            report["lagging"].append({**op, "ranks": behind, "waiting_ranks": ahead})
     return report
+
+
+def _entry_line(rank: int, d: dict) -> str:
+    ents, why = d.get("entries", []), (d.get("titan_reason") or "").splitlines()
+    line = f"  rank {rank}: {len(ents)} entries"
+    if ents:
+        e, (group, desc) = ents[-1], ents[-1]["process_group"]
+        seq = e.get("collective_seq_id")
+        line += f", last {e['profiling_name']} seq {seq} in group {group} ({desc}), {e.get('state')}"
+    return line + (f"; dumped on: {why[0][:160]}" if why else "")
+
+
+def _lag_line(lag: dict) -> str:
+    return (
+        f"Rank(s) {lag['ranks']} never issued {lag['op']} #{lag['seq']} in group {lag['group']} "
+        f"({lag['desc']}) that rank(s) {lag['waiting_ranks']} are waiting in."
+    )
+
+
+def ranks_named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def suspects_line(report: dict) -> str | None:
+    """One line naming the ranks the dumps point at (no dump first), or None when none is behind."""
+    w, missing = report.get("waiting_in"), report.get("missing", [])
+    if missing:
+        where = f", last in {w['op']} #{w['seq']} of group {w['group']} ({w['desc']})" if w else ""
+        return (
+            f"{ranks_named(missing)} left no Flight Recorder dump: the prime suspect (a rank stopped, killed, "
+            f"or stuck outside Python cannot dump); {ranks_named(report['ranks'])} dumped{where}"
+        )
+    return _lag_line(report["lagging"][0]) if report["lagging"] else None
 
 
 def format_report(report: dict, traces: dict[int, dict]) -> str:
     lines = [f"Flight Recorder dumps of ranks {report['ranks']}"]
-    for r, d in sorted(traces.items()):
-        ents = d.get("entries", [])
-        last = ents[-1] if ents else None
-        why = d.get("titan_reason") or ""
-        lines.append(
-            f"  rank {r}: {len(ents)} entries"
-            + (
-                f", last {last['profiling_name']} seq {last.get('collective_seq_id')} in group "
-                f"{last['process_group'][0]} ({last['process_group'][1]}), {last.get('state')}"
-                if last
-                else ""
-            )
-            + (f"; dumped on: {why.splitlines()[0][:160]}" if why else "")
-        )
-    if not report["lagging"]:
-        lines.append("No rank is behind: every rank issued the same last collective in every group.")
-    for lag in report["lagging"]:
-        lines.append(
-            f"Rank(s) {lag['ranks']} never issued {lag['op']} #{lag['seq']} in group {lag['group']} "
-            f"({lag['desc']}) that rank(s) {lag['waiting_ranks']} are waiting in."
-        )
+    lines += [_entry_line(r, d) for r, d in sorted(traces.items())]
+    first = suspects_line(report)
+    none = "No rank is behind: every rank dumped and issued the same last collective in every group."
+    lines.append(first[:1].upper() + first[1:] if first else none)
+    lines += [_lag_line(lag) for lag in report["lagging"][0 if report["missing"] else 1 :]]
     return "\n".join(lines)
 
 
@@ -283,6 +354,106 @@ def torchfrtrace(folder: str | os.PathLike, *extra: str) -> str:
         check=False,
     )
     return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------- a hung rank
+# A collective that times out says nothing of the rank it waited for (gloo: "Timed out waiting
+# 100000ms for recv operation to complete"), and a rank that is stopped or stuck never reports:
+# the ranks that fail in a collective are the survivors (a timeout, or the connection a timed-out
+# peer closed). Each writes a roll-call file, then waits for the others' (they fail within moments
+# of each other: they block in the same step); the ranks missing are those that never reached it.
+_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms|[Ww]atchdog caught collective operation timeout")
+_LOST = re.compile(r"Connection (?:closed|reset) by peer")
+ROLL_CALL_S = 10.0  # how long a rank that failed in a collective waits for the other survivors
+LOST_S = 3.0  # how long a rank that lost a connection waits for a timeout's report
+
+
+def launch_id() -> str:
+    """This launch and attempt (torchrun's run id and restart count), as a file name."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    return re.sub(r"[^\w.-]", "_", f"{run}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
+def failed_in_collective(e: BaseException) -> bool:
+    """A collective's timeout, or the connection a timed-out peer closed (gloo)."""
+    return bool(_TIMEOUT.search(str(e)) or _LOST.search(str(e)))
+
+
+def _roll_call(folder: Path, rank: int, world: int, said: str) -> dict[int, str]:
+    """Write this rank's report, then wait for every rank's: {rank: its report}. At most ROLL_CALL_S;
+    LOST_S while no rank has timed out (a lost connection alone is a peer that failed)."""
+    atomic_write(folder / f"rank_{rank}", said)
+    t0, reports = time.monotonic(), {}
+    while True:
+        for p in folder.glob("rank_*"):
+            if p.name[5:].isdigit() and int(p.name[5:]) not in reports:
+                reports[int(p.name[5:])] = p.read_text(errors="replace")
+        waited, timed_out = time.monotonic() - t0, any(_TIMEOUT.search(t) for t in reports.values())
+        if len(reports) >= world or waited >= ROLL_CALL_S or (waited >= LOST_S and not timed_out):
+            return reports
+        time.sleep(0.2)
+
+
+def _fresh_traces(cfg) -> dict[int, dict]:
+    """This launch's Flight Recorder dumps (a resumed run's folder keeps older ones)."""
+    try:
+        traces = read_traces(fr_folder(cfg))
+    except (FileNotFoundError, UnsafeDump):
+        return {}
+    return {r: d for r, d in traces.items() if d.get("titan_launch") == launch_id()}
+
+
+def report_failure(cfg, e: BaseException) -> bool:
+    """A failed rank's report: its Flight Recorder dump (gloo has no watchdog to write one) and one
+    error line for a collective that timed out (the rank(s) that never reached it, not this survivor)
+    or a damaged compile cache file (moved aside). True when said (the caller exits 1), else False."""
+    if dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}"):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM must not replace the dump that says why
+    said = name_the_hung(cfg, e) if failed_in_collective(e) else _cache_damage(e)
+    if said:
+        log.error(f"{rank_prefix()}error: {said}")
+    return said is not None
+
+
+def _cache_damage(e: BaseException) -> str | None:
+    """A compile that failed on a damaged cache file: the file moved aside, and the line saying so."""
+    from core.toggles.compile import damage_said  # light: inductor's modules load only if something compiled
+
+    return damage_said(e) if "torch._inductor" in sys.modules else None
+
+
+def name_the_hung(cfg, e: BaseException) -> str | None:
+    """After this rank failed in a collective (a timeout, a lost connection): the error line naming
+    the rank(s) that never reached it, from the Flight Recorder's dumps when it is on (a rank with
+    no dump first), else from which ranks failed in it. "" on a rank that should stay quiet (a
+    lower rank says it); None when no rank timed out (a peer failed: it says why) or every rank did."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = Path(cfg.job.output_dir) / "debug" / "timeouts" / launch_id()  # atomic_write makes it
+    try:
+        reports = _roll_call(folder, rank, world, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except OSError:  # the run folder cannot take it (a full disk): the failure as it is
+        return None
+    waited = next((m for text in reports.values() if (m := _TIMEOUT.search(text))), None)
+    if waited is None:
+        return None
+    if min(reports) != rank:
+        time.sleep(2)  # the lowest rank that failed says it: let it, before this rank's exit is seen
+        return ""
+    after = f" after {int(waited.group(1)) / 1000:g} s" if waited.group(1) else ""
+    silent = sorted(set(range(world)) - set(reports))
+    if cfg.comm.trace_buf_size > 0 and (traces := _fresh_traces(cfg)):
+        report = analyze(traces)
+        report["missing"] = sorted(set(range(world)) - set(traces))
+        if line := suspects_line(report):
+            see = f"python -m core.debug fr {shlex.quote(str(fr_folder(cfg)))}"
+            return f"collective timeout{after}: {line.rstrip('.')}. See: {see}"
+    if not silent:
+        return None
+    return (
+        f"collective timeout{after}: {ranks_named(silent)} never reached the collective that "
+        f"{ranks_named(sorted(reports))} failed in: hung (stopped, deadlocked, or stuck outside "
+        "torch.distributed); to see where, rerun with --set comm.trace_buf_size=2000 (the Flight Recorder)"
+    )
 
 
 # ------------------------------------------------------------------------------ fault injection
@@ -311,12 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     fr.add_argument("--torchfrtrace", action="store_true", help="run torch's analyser instead")
     a = parser.parse_args(argv)
     try:
-        if a.torchfrtrace:
-            print(torchfrtrace(a.folder))
-        else:
-            traces = read_traces(a.folder)
-            print(format_report(analyze(traces), traces))
-    except FileNotFoundError as e:
+        traces = read_traces(a.folder)  # torch's analyser unpickles with plain pickle: ours vets every file first
+        print(torchfrtrace(a.folder) if a.torchfrtrace else format_report(analyze(traces), traces))
+    except (FileNotFoundError, UnsafeDump) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

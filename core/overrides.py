@@ -23,7 +23,7 @@ def _cut(text: str, n: int = 60) -> str:
     return shown + (f" ... ({len(text):,} characters)" if len(text) > n else "")
 
 
-def _invisible(text: str) -> tuple[int, str] | None:
+def invisible_char(text: str) -> tuple[int, str] | None:
     """(index, character) of the first control, format (zero-width) or line-separator character."""
     for i, ch in enumerate(text):
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
@@ -32,14 +32,14 @@ def _invisible(text: str) -> tuple[int, str] | None:
 
 
 def _check_override_text(dotted: str, raw: str) -> None:
-    bad = _invisible(dotted)
+    bad = invisible_char(dotted)
     if bad:
         i, ch = bad
         raise ConfigError(
             f"{_cut(dotted)}: the key holds an invisible character U+{ord(ch):04X} "
             f"({unicodedata.name(ch, 'control')}) at position {i}: type it again"
         )
-    bad = _invisible(raw)
+    bad = invisible_char(raw)
     if bad:
         i, ch = bad
         raise ConfigError(

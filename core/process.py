@@ -5,12 +5,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 # Set by a launcher that imports the trainer once and forks the ranks (recipes/forked_run.py):
@@ -89,6 +92,36 @@ def raise_open_file_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             return (soft, soft)
     return (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+# ------------------------------------------------------------------ a node's answer, found once
+def once_per_node(name: str, compute: Callable[[], str]) -> str:
+    """`compute()`'s answer (one line of text) found by one rank of this node's launch and read by
+    the others, for a probe too slow to run on every rank (nvidia-smi: core/toggles/async_tp.py).
+    The ranks of one torchrun agent (TORCHELASTIC_RUN_ID, and the agent: their parent) share a
+    file in this user's folder of the node's temp folder; the first to lock it computes and writes,
+    the others wait for the lock and read. Outside torchrun, or without that folder: computed here."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return compute()
+    folder = Path(tempfile.gettempdir()) / f"titan_node_{os.getuid()}"
+    key = re.sub(r"[^\w.-]", "_", f"{run_id}.{os.getppid()}.{name}")[:200]
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        if folder.stat().st_uid != os.getuid():  # another user's folder: nothing in it is trusted
+            return compute()
+        with open(folder / key, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            f.seek(0)
+            known = f.read()
+            if known.endswith("\n"):  # a whole answer (one cut short by a killed rank is found again)
+                return known[:-1]
+            value = compute()
+            f.truncate(0)
+            f.write(value + "\n")
+            return value
+    except OSError:
+        return compute()
 
 
 # ------------------------------------------------------------------ which rank died, and how

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from core.config import Profiling
+from core.group_timeouts import keep_own_timeout
 
 TOP_OPS = 10  # ops per rank in the record (the files under the profile folder have them all)
 
@@ -49,7 +50,9 @@ class StepProfiler:
         self.cfg, self.rank, self.device_type = cfg, rank, device_type
         self.group = None
         if cfg.enabled and dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds it
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=gather_timeout_s))
+            self.group = keep_own_timeout(
+                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=gather_timeout_s))
+            )
         self.folder = Path(out_dir) / cfg.folder
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         self.prof: profile | None = None

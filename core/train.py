@@ -35,9 +35,11 @@ from core.debug import (
     dump_on_sigterm,
     first_step_timeout,
     maybe_pause,
+    report_failure,
     set_pg_timeouts,
     setup_flight_recorder,
 )
+from core.group_timeouts import own_timeout_groups
 from core.jobs import parse_jobs, rank_prefix, validated_jobs
 from core.lazy_imports import prepare_for_fork
 from core.logs import get_logger
@@ -325,9 +327,7 @@ class Trainer:
         apart from the steady one, and apply the shorter training timeout from now on."""
         first_peak = PeakMemory().first_step_done()
         dist.barrier()
-        set_pg_timeouts(
-            self.cfg.comm.train_timeout_seconds, exclude=[self.checkpointer.pg] if self.checkpointer else []
-        )
+        set_pg_timeouts(self.cfg.comm.train_timeout_seconds, exclude=own_timeout_groups())  # core/group_timeouts.py
         return first_peak
 
     def _outcome(self, run_log: LoopLog) -> TrainOutcome:
@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"{rank_prefix()}error: {e}")
         return 1
     except Exception as e:
-        dump_flight_recorder(cfg, reason=f"{type(e).__name__}: {e}")  # gloo has no watchdog dump
+        if report_failure(cfg, e):  # its Flight Recorder dump; a hang or a damaged compile cache in one line
+            return 1
         if dist.get_rank():  # the traceback's last line does not say which rank raised
             log.error(f"{rank_prefix()}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise

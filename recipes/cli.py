@@ -334,7 +334,7 @@ def _short(v) -> str:
 
 # ---------------------------------------------------------------------------------- run
 @main.command("run")
-@click.argument("ids", nargs=-1)
+@click.argument("ids", nargs=-1, callback=options.one_line)
 @click.option("--table", type=click.Choice(TABLES), help="Run every row of a table (with any ids).")
 @click.option("--mode", type=click.Choice(MODES), default="proxy", show_default=True)
 @options.overrides_option("Override a config key (TOML literal), applied after the recipe; repeatable.")
@@ -353,6 +353,7 @@ def _short(v) -> str:
     multiple=True,
     metavar="OPTION",
     help="Extra #SBATCH option for --slurm, e.g. --sbatch partition=h100; repeatable.",
+    callback=options.one_line,
 )
 @click.option(
     "--max-restarts",
@@ -366,6 +367,7 @@ def _short(v) -> str:
     "--gpu",
     default=None,
     metavar="NAME",
+    callback=options.one_line,
     help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml, or a spec FILE; "
     "default: the paper's h100_96gb_hbm2e_500w).",
 )

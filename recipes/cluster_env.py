@@ -1,12 +1,27 @@
-"""The environment real runs get on a GPU node or a SLURM cluster (used by recipes.launcher, recipes.multinode)."""
+"""The environment of every launch, one list for the local launch (recipes.launcher base_env,
+recipes.modes RealMode.env) and the multi-node ones (recipes.multinode: the printed command, the
+sbatch script), and what a real run needs of a cluster's file systems."""
 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
+
+from recipes.paths import project_root
 
 # Real runs: expandable segments cut fragmentation, the head-room the rows near 95 GiB need.
 CUDA_ALLOC_CONF = "expandable_segments:True"
+
+# Every launch, where the caller's environment has none (base_env; the multi-node ones as `${X:-v}`).
+LAUNCH_ENV = {
+    "PYTHONUNBUFFERED": "1",  # the ranks' lines reach the log as they are printed
+    # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
+    # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
+# A real run's own, besides a node-local inductor cache (node_local_cache_dir).
+REAL_ENV = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}
 
 
 def node_local_cache_dir() -> str:
@@ -47,21 +62,30 @@ def node_local_reason(path: Path) -> str | None:
     return None
 
 
+def real_env_defaults() -> dict[str, str]:
+    """What a local real launch sets where the caller's environment has none (over LAUNCH_ENV)."""
+    return {**REAL_ENV, "TORCHINDUCTOR_CACHE_DIR": node_local_cache_dir()}
+
+
 def node_env_assignments() -> list[str]:
-    """`NAME=value` shell words of what every real launch sets on its node (the local launch sets
-    them itself, recipes/modes.py RealMode.env): the allocator, and a node-local inductor cache
-    (every rank of every node compiling into one folder on the cluster's file system is slow and
-    racy). Each keeps a value the node's shell already has."""
+    """`NAME=value` shell words of what every real launch sets on its node, as the local launch
+    does (base_env + real_env_defaults; tests/test_issue51_launch.py holds them equal): the
+    checkout first on the path, LAUNCH_ENV, REAL_ENV and a node-local inductor cache (every rank of
+    every node compiling into one folder on the cluster's file system is slow and racy). Each
+    keeps a value the node's shell already has; the path is the node's own after the checkout."""
+    fixed = {**REAL_ENV, **LAUNCH_ENV}
+    if any(shlex.quote(v) != v for v in fixed.values()):  # written unquoted inside ${X:-v}
+        raise ValueError(f"a launch setting is not a plain shell word: {fixed}")
     return [
-        f"PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF:-{CUDA_ALLOC_CONF}}}",
+        f"PYTHONPATH={shlex.quote(str(project_root()))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        *(f"{k}=${{{k}:-{v}}}" for k, v in fixed.items()),
         "TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/titan_inductor_${USER:-user}}",
     ]
 
 
 def sbatch_env_lines(nproc: int) -> list[str]:
     """The sbatch script's environment, each variable overridable by the submitting shell: CPU
-    threads per rank from the node's cores, the allocator, a node-local inductor cache (every
-    rank of every node compiling into one folder on the cluster's file system is slow and racy)."""
+    threads per rank from the node's cores, then what every real launch sets (node_env_assignments)."""
     return [
         # the open-file limit SLURM passes on may be a soft 1024: gloo's groups at 512 ranks need more
         # (the trainer raises it too: core/process.py raise_open_file_limit); srun hands it to the tasks

@@ -32,7 +32,7 @@ from core.config import ConfigError, JobConfig
 from core.fileio import check_writable_folder
 from core.validate import check_assets, validate
 from recipes import hardware_check, launcher, multinode, paths, registry
-from recipes.cluster_env import CUDA_ALLOC_CONF, node_local_cache_dir, node_local_reason
+from recipes.cluster_env import node_local_reason, real_env_defaults
 from recipes.output import Stopped, failure_cause, stream
 from recipes.schema import Recipe
 
@@ -252,9 +252,9 @@ class RealMode(RowMode):
             raise RowRefused(f"config error: {r.id}: {e}") from None
 
     def env(self, world: int, **set_vars: str) -> dict[str, str]:
-        # a node-local compile cache, as the sbatch script's: the checkout is often on a shared file system
-        defaults = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF, "TORCHINDUCTOR_CACHE_DIR": node_local_cache_dir()}
-        return launcher.base_env(defaults=defaults, **set_vars)
+        # one list with the sbatch script's and the per-node command's: a node-local compile cache (the
+        # checkout is often on a shared file system), the allocator's settings
+        return launcher.base_env(defaults=real_env_defaults(), **set_vars)
 
     def run_elsewhere(self, row: Row) -> bool:
         if not (self.options.slurm or row.nnodes > 1):
@@ -275,7 +275,7 @@ class RealMode(RowMode):
             )
             script.write_text(text)
             script.chmod(0o755)
-            click.echo(f"sbatch script: {script}\nsubmit with: sbatch {script}")
+            click.echo(f"sbatch script: {script}\nsubmit with: sbatch {shlex.quote(str(script))}")
             return True
         where = "On every node, with HOST the first node's address:"
         click.echo(f"{r.id} needs {row.nnodes} nodes x {nproc} GPUs. {where}\n")

@@ -4,6 +4,7 @@ command that uses it (what the folder or file is, and its default there)."""
 from __future__ import annotations
 
 import sys
+import unicodedata
 from pathlib import Path
 from typing import NoReturn
 
@@ -11,20 +12,45 @@ import click
 
 from core.fileio import check_writable_folder
 
+# the rule `--set` values follow (core/overrides.py): no control, zero-width or line-separator character
+from core.overrides import invisible_char
+
+
+def control_char(text: str) -> str | None:
+    """What makes `text` more than one line of visible text (None when it is not): a newline in a
+    value written into a script is a live shell line there."""
+    bad = invisible_char(text)
+    if bad is None:
+        return None
+    i, ch = bad
+    return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}) at position {i} of {text[:60]!r}"
+
+
+def one_line(ctx: click.Context | None, param: click.Parameter | None, value):
+    """click callback of every option (or argument) whose value reaches a script, a command line
+    or a file name: refused (exit 2) while click parses, before anything is written."""
+    for text in (value,) if isinstance(value, str) else value or ():
+        bad = control_char(text)
+        if bad:
+            raise click.BadParameter(
+                f"{bad}: a value that reaches a script, a command or a file name is one line of visible text"
+            )
+    return value
+
 
 def out_dir_option(help: str, name: str = "out_dir"):
     """--out DIR: where a command writes its folders or files."""
-    return click.option("--out", name, type=click.Path(file_okay=False), default=None, help=help)
+    return click.option("--out", name, type=click.Path(file_okay=False), default=None, help=help, callback=one_line)
 
 
 def out_file_option(help: str):
     """--out FILE: the one file a command writes."""
-    return click.option("--out", type=click.Path(dir_okay=False), default=None, help=help)
+    return click.option("--out", type=click.Path(dir_okay=False), default=None, help=help, callback=one_line)
 
 
 def records_dir_option(help: str):
     """--records-dir DIR: where result records are read or copied (<mode>/<id__>.json)."""
-    return click.option("--records-dir", type=click.Path(file_okay=False), default=None, help=help)
+    return click.option("--records-dir", type=click.Path(file_okay=False), default=None, help=help, callback=one_line)
 
 
 def overrides_option(help: str):

@@ -275,7 +275,8 @@ def stream(
 
 # ----------------------------------------------------------------------------- a failure's cause
 _OWN_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:config )?error: .+)$")  # the project's one-line errors
-_EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+# an exception's line; `...Failed` as torch's BackendCompilerFailed (a failed compile)
+_EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Failed)\b.*)$")
 _LAUNCHER_NOISE = ("ChildFailedError", "torch.distributed.elastic", "SignalException")
 
 
@@ -298,6 +299,56 @@ def _root_cause(lines: list[str]) -> tuple[int, int] | None:
 def _rank_of(line: str) -> int:
     m = _RANK_PREFIX.match(line.strip())
     return int(m.group(1)) if m else 0  # rank 0 says its own lines without a prefix
+
+
+_ENTRY = re.compile(r"^\[\d+\]:$")  # an entry of torchrun's failure report (one failed rank)
+_RULE = re.compile(r"^(=|-){20,}$")
+
+
+def _line_ranks(lines: list[str]) -> list[int]:
+    """The rank each line is from: its `[rankN]:` prefix, else rank 0's, except in torchrun's
+    failure report, whose entries quote each failed rank's error unprefixed: the entry's rank."""
+    ranks, entry = [], None  # entry: the rank of the report entry being read
+    for i, line in enumerate(lines):
+        bare = line.strip()
+        if _ENTRY.match(bare):
+            found = (m.group(2) for s in lines[i + 1 : i + 6] if (m := _FIELD.match(s)) and m.group(1) == "rank")
+            entry = int(next(found, "0"))
+        elif _RULE.match(bare):
+            entry = None
+        ranks.append(entry if entry is not None else _rank_of(line))
+    return ranks
+
+
+_EXC_TYPE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(:.*)?$")  # Python's `module.Type: message` line
+
+
+def _entry_error(lines: list[str]) -> str | None:
+    """The exception the root cause's entry of torchrun's report ends with (the rank's error file:
+    its traceback), in one line: `Type: message`, a message that ends in ':' joined with its next
+    line (`BackendCompilerFailed: backend='inductor' raised: ImportError: ...`)."""
+    at = max((i for i, line in enumerate(lines) if _ROOT_CAUSE in line), default=None)
+    if at is None:
+        return None
+    entry: list[str] = []
+    for line in lines[at + 1 :]:
+        if _RULE.match(line.strip()):
+            break
+        entry.append(line)
+    tb = next((i for i, line in enumerate(entry) if line.strip().startswith("traceback :")), None)
+    if tb is None:
+        return None
+    body = [entry[tb].split("traceback :", 1)[1], *entry[tb + 1 :]]
+    frames = [i for i, line in enumerate(body) if line.lstrip().startswith('File "')]
+    if not frames:
+        return None  # "To enable traceback see ...": torchrun had no error file of the rank
+    indent = len(body[frames[-1]]) - len(body[frames[-1]].lstrip())
+    said = [x.strip() for x in body[frames[-1] + 1 :] if x.strip() and len(x) - len(x.lstrip()) < indent]
+    m = _EXC_TYPE.match(said[0]) if said else None
+    if m is None:
+        return None
+    text = m.group(1) + (m.group(2) or "")
+    return f"{text} {said[1]}" if text.endswith(":") and len(said) > 1 else text
 
 
 def _launch_lines(log_path: Path, tail_bytes: int) -> list[str] | None:
@@ -334,8 +385,9 @@ def _first_killed(lines: list[str]) -> str | None:
 def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
     """The line of a failed launch's log that says why, naming the rank that failed first: a rank
     killed by a signal (named by its agent), else torchrun's first observed failure with that
-    rank's own `error: ...` line, else the last exception it raised, else the signal that killed
-    it; never a survivor's report of the lost connection."""
+    rank's own `error: ...` line, else the exception it raised (its entry in torchrun's report,
+    else its last exception line), else the signal that killed it; never a survivor's report of
+    the lost connection."""
     lines = _launch_lines(log_path, tail_bytes)
     if lines is None:
         return None
@@ -345,18 +397,21 @@ def failure_cause(log_path: Path, tail_bytes: int = 1 << 20) -> str | None:
     root = _root_cause(lines)
     if root and root[1] < 0:
         return _killed(root[0], signal.Signals(-root[1]).name if -root[1] in set(signal.Signals) else str(-root[1]))
-    own = [line.strip() for line in lines if _OWN_LINE.match(line.strip())]
-    if root and own and all(_rank_of(line) != root[0] for line in own):
+    ranks = _line_ranks(lines)
+    own = [(r, line.strip()) for r, line in zip(ranks, lines, strict=True) if _OWN_LINE.match(line.strip())]
+    if root and own and all(r != root[0] for r, _ in own):
         # torchrun observed first a rank that said no error of its own (a survivor failing on the
         # lost connection before the failed rank's exit was seen): the first rank that said one.
-        return f"rank {_rank_of(own[0])}: {_OWN_LINE.match(own[0]).group(1)}"
+        return f"rank {own[0][0]}: {_OWN_LINE.match(own[0][1]).group(1)}"
     for pattern in (_OWN_LINE, _EXCEPTION):
-        for line in reversed(lines):
+        for r, line in reversed(list(zip(ranks, lines, strict=True))):
             m = pattern.match(line.strip())
             if not m or any(noise in line for noise in _LAUNCHER_NOISE):
                 continue
             if root is None:
                 return m.group(1)
-            if _rank_of(line) == root[0]:
+            if r == root[0]:
                 return f"rank {root[0]}: {m.group(1)}"
+        if pattern is _OWN_LINE and root and (said := _entry_error(lines)):
+            return f"rank {root[0]}: {said}"  # the exception the rank raised, as its error file has it
     return f"rank {root[0]} exited with code {root[1]}" if root else None

@@ -6,6 +6,7 @@ links the newest benchmark report."""
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_docs_multinode_command_is_what_run_recipe_prints(tmp_path):
     r = registry.get(MULTI)
     printed = multinode.multinode_command(r.nnodes(), r.gpus_per_node, Path("<run dir>/job.json"), r.fname)
     printed = printed.replace("'<run dir>/job.json'", "<run dir>/job.json")
+    printed = printed.replace(shlex.quote(str(paths.project_root())), "<checkout>")  # PYTHONPATH: the checkout
     joined = [b.replace("\\\n    ", "").strip() for b in _blocks()]
     assert printed in joined, f"{REAL_RUNS.name}'s multi-node command differs from:\n{printed}"
     local = " ".join(modes.RealMode().command(8, [Path("runs/<id__>/<timestamp>/job.json")]))

@@ -38,6 +38,14 @@ PRIVATE = [  # (module, attribute path, who uses it)
     ("torch._inductor.cpu_vec_isa", "x86_isa_checker", "core/toggles/compile.py"),
     ("torch._inductor.cpu_vec_isa", "supported_vec_isa_list", "core/toggles/compile.py"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor", "core/toggles/compile.py"),
+    # a damaged cache file moved aside (issue 51): where a wrapper loads, where an ISA probe lives
+    ("torch._inductor.codecache", "PyCodeCache.load_by_key_path", "core/toggles/compile.py"),
+    ("torch._inductor.codecache", "write", "core/toggles/compile.py"),
+    ("torch._inductor.codecache", "get_lock_dir", "core/toggles/compile.py"),
+    ("torch._inductor.codecache", "LOCK_TIMEOUT", "core/toggles/compile.py"),
+    ("torch._inductor.cpu_vec_isa", "_get_isa_dry_compile_fingerprint", "core/toggles/compile.py"),
+    ("torch._inductor.cpu_vec_isa", "VecISA._avx_code", "core/toggles/compile.py"),
+    ("torch.utils._filelock", "FileLock", "core/toggles/compile.py"),
     (
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",

@@ -10,4 +10,6 @@
 - files.py         a checkpoint's contents without a process group: checks before a load, DCP's
                    errors in one line, full weights, Hugging Face export / import, the command
                    line (`python -m core.checkpoint`)
+- trusted.py       the one reader of a checkpoint's files: `.metadata` and non-tensor items
+                   through allowlists, so loading never runs what it reads
 """

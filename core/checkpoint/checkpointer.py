@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import shutil
 import time
 from collections.abc import Callable
@@ -56,9 +55,9 @@ from core.checkpoint.collectives import (
 from core.checkpoint.files import (
     DTYPES,
     CheckpointException,
-    _cause,
     check_files,
     check_shapes,
+    load_error,
     model_shape,
     read_metadata,
     save_error,
@@ -79,6 +78,7 @@ from core.checkpoint.folder import (
 )
 from core.checkpoint.manifest import write_manifest
 from core.checkpoint.state import JsonState, ModelParts, ModelState, OptimizerState, RngState, dataloader_key
+from core.checkpoint.trusted import load as trusted_load
 from core.config import JobConfig
 from core.fileio import atomic_write_json
 from core.logs import get_logger
@@ -157,9 +157,7 @@ class Checkpointer:
             # Whether a background save finished on every rank is agreed on this group each step
             # (self.pg may be busy with the background save's own collectives then); its
             # checksums run in this thread, off the training loop.
-            self.poll_pg = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
-            )
+            self.poll_pg = checkpoint_group(self.cfg.comm.init_timeout_seconds)  # keeps it after step 1
             self.background = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-checksums")
         if self.async_mode == "async_with_pinned_mem":
             cuda = torch.cuda.is_available()
@@ -230,8 +228,8 @@ class Checkpointer:
         templates = {k: v.state_dict() for k, v in items.items()}
         check_shapes(path, metadata, templates, info, self.model_args)
         self._check_no_foreign_weights(path, stored, templates["model"], self.pg)
-        with dcp_errors(lambda e: _raise(CheckpointError(f"{path}: DCP load failed: {_cause(e)}"))):
-            dcp.load(items, checkpoint_id=str(path), process_group=self.pg)
+        with dcp_errors(lambda e: _raise(load_error(path, e))):
+            trusted_load(items, path, process_group=self.pg)  # never runs what it reads
         return self.train_state.step if "train_state" in items else int(info.get("step", 0))
 
     def _load_items(self, path: Path, stored: dict, info: dict) -> dict[str, Stateful]:

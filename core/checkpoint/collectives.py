@@ -5,7 +5,7 @@ ranks, the agreement that a background save finished everywhere, and rank 0's pr
 The checkpoint's group is gloo with `comm.checkpoint_timeout_seconds`: its collectives wait for
 file-system I/O (a rank still writing, or still checksumming), which can take far longer than the
 training timeout (`comm.train_timeout_seconds`, applied to every other group after the first
-step; core/train.py excludes this one). Which files a rank checksums or verifies:
+step; this one keeps its own: core/group_timeouts.py). Which files a rank checksums or verifies:
 core/checkpoint/manifest.py.
 """
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from core.checkpoint.folder import CheckpointError, damaged_hint
 from core.checkpoint.manifest import checksum_files, read_manifest, shares, verify_files, written_by
+from core.group_timeouts import keep_own_timeout
 from core.logs import get_logger
 
 log = get_logger(__name__)
@@ -30,8 +31,9 @@ PROGRESS_EVERY_S = 60.0  # rank 0 reports a save (or a phase of one) that runs l
 
 
 def checkpoint_group(timeout_seconds: float) -> dist.ProcessGroup:
-    """A gloo group of every rank for the checkpoint's collectives (a collective itself)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    """A gloo group of every rank for the checkpoint's collectives (a collective itself); it keeps
+    its timeout after the first step (core/group_timeouts.py)."""
+    return keep_own_timeout(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds)))
 
 
 # ----------------------------------------------------------------------------------- save

@@ -1,7 +1,8 @@
 """A checkpoint's contents, without a process group: DCP's errors in one line, its metadata and
 shards checked before anything is loaded, and the single-process tools (full weights, Hugging
 Face export / import, and `main`: their command line, `python -m core.checkpoint`). The folder's
-layout and names: core/checkpoint/folder.py."""
+layout and names: core/checkpoint/folder.py. Every read of a checkpoint's files goes through
+core/checkpoint/trusted.py (loading never runs what it reads)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from core.checkpoint.folder import (
     read_info,
     rename_complete,
 )
+from core.checkpoint.trusted import RefusedCheckpoint
+from core.checkpoint.trusted import load as trusted_load
+from core.checkpoint.trusted import read_metadata as trusted_metadata
 from core.config import flatten_keys
 from core.fileio import atomic_write_json
 from core.models.args import ModelArgs, model_shape
@@ -79,13 +83,23 @@ def save_error(folder: Path, tmp: Path, step: int, what: str, e: BaseException, 
     return CheckpointError(f"{tmp}: checkpoint {what} of step {step} failed: {cause}; removed {tmp.name}, {kept}")
 
 
+def load_error(path: Path, e: BaseException) -> CheckpointError:
+    """The one error of a failed DCP load of `path`: a refused file as it was said (it names the
+    file and the type), else the first failing rank's cause."""
+    refusals = [c for c in _causes(e) if isinstance(c, RefusedCheckpoint)]
+    return refusals[0] if refusals else CheckpointError(f"{path}: DCP load failed: {_cause(e)}")
+
+
 def read_metadata(path: Path):
-    """DCP metadata, or a CheckpointError naming the file."""
+    """DCP metadata, or a CheckpointError naming the file (RefusedCheckpoint: a type outside the
+    allowlist, core/checkpoint/trusted.py)."""
     f = path / METADATA
     if not f.is_file():
         raise CheckpointError(f"{f}: missing (not a complete DCP checkpoint)")
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        return trusted_metadata(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything from EOFError to KeyError
         raise CheckpointError(f"{f}: corrupted checkpoint metadata ({type(e).__name__}: {e})") from None
 
@@ -145,7 +159,10 @@ def load_model_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor]
     if not model:
         raise CheckpointError(f"{path / METADATA}: no model weights in this checkpoint")
     state = {"model": model}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    try:
+        trusted_load(state, path, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises anything; CheckpointException is a BaseException
+        raise load_error(path, e) from None
     return state["model"], info
 
 

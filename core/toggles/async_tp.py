@@ -15,6 +15,8 @@ reason (on CPU symmetric memory does not exist and the inductor pass would fuse 
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import subprocess
 from typing import TYPE_CHECKING
@@ -25,15 +27,34 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 from core.config import ConfigError, JobConfig
+from core.process import once_per_node
 
 REQUIREMENT = "AsyncTP needs CUDA GPUs connected by NVLink/NVSwitch (symmetric memory) and compile"
+# "1" / "0": the node's NVLink verdict, given (a test, a launcher that probed): nothing is probed
+NVLINK_ENV = "TITAN_NVLINK_ALL_PAIRS"
 
 
 def _nvlink_between_all_gpus(n: int) -> bool:
-    """nvidia-smi's topology matrix shows NV<k> (NVLink, through NVSwitch on HGX) for every GPU
-    pair; without nvidia-smi, fall back to CUDA peer access alone."""
+    """Whether NVLink joins every pair of the node's first n GPUs: NVLINK_ENV where set, else
+    nvidia-smi's verdict, asked once per process and run once per node (it takes up to 20 s, and
+    every rank asks at start and once per pipeline stage); without nvidia-smi, CUDA peer access
+    alone decides (True here)."""
+    given = os.environ.get(NVLINK_ENV)
+    if given in ("0", "1"):
+        return given == "1"
+    return _node_verdict(n)
+
+
+@functools.cache
+def _node_verdict(n: int) -> bool:
     if shutil.which("nvidia-smi") is None:
         return True
+    return once_per_node(f"nvlink_{n}", lambda: "1" if _topology_shows_nvlink(n) else "0") == "1"
+
+
+def _topology_shows_nvlink(n: int) -> bool:
+    """nvidia-smi's topology matrix shows NV<k> (NVLink, through NVSwitch on HGX) for every GPU
+    pair (a topology it cannot give counts as NVLink: peer access decides)."""
     try:
         out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):

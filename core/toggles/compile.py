@@ -11,17 +11,23 @@ Compiled artifacts (inductor's FX graph cache, AOTAutograd cache, generated C++/
 go to TORCHINDUCTOR_CACHE_DIR; unless the caller set it we use `.cache/inductor` under the
 repo, so a rerun of any job on this machine skips the cold compile. With `compile.shared_cache`
 on (auto: on CPU) the ranks of a job also share one compile of each graph
-(core/toggles/compile_cache.py); otherwise torch's own caching runs, unpatched.
+(core/toggles/compile_cache.py); otherwise torch's own caching runs, unpatched. A cache file that
+does not load (a damaged wrapper, kernel library or ISA probe) is named, moved aside and built again
+(`survive_damaged_cache`, docs/compile-cache.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import platform
+import re
+import shlex
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,6 +40,7 @@ from core.toggles.group_roles import name_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "inductor"
+log = logging.getLogger(__name__)
 
 
 def ensure_cache_dir() -> str:
@@ -75,9 +82,31 @@ def _start_isa_probes() -> list[threading.Thread]:
     probes = []
     for isa in cpu_vec_isa.supported_vec_isa_list:  # inductor's own filter (valid_vec_isa_list)
         if all(flag in flags for flag in str(isa).split()):
+            _set_aside_a_damaged_probe(isa)  # here, not in the thread: before inductor may ask for it
             probes.append(threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True))
             probes[-1].start()
     return probes
+
+
+def _set_aside_a_damaged_probe(isa) -> None:
+    """A probe's library in the cache that is no library (0 bytes, random bytes) fails its dlopen
+    check: inductor then takes the CPU to lack that ISA and emits vector code it cannot build
+    (torch 2.13: "'at::vec' has not been declared", every compile). Moved aside, it is built again.
+    Checked under the probe's own lock, as inductor builds it."""
+    # private: the probe's source, fingerprint, cache file and lock (no public way to name them)
+    from torch._inductor import codecache, cpu_vec_isa
+    from torch.utils._filelock import FileLock
+
+    try:
+        extra = cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags())
+        key, cpp = codecache.write(cpu_vec_isa.VecISA._avx_code, "cpp", extra=extra)
+    except (AttributeError, TypeError):  # another torch: its probes as they are
+        return
+    lib = Path(cpp).with_suffix(".so")
+    lock = FileLock(os.path.join(codecache.get_lock_dir(), key + ".lock"), timeout=codecache.LOCK_TIMEOUT)
+    with lock, contextlib.suppress(OSError), open(lib, "rb") as f:
+        if f.read(4) != b"\x7fELF":
+            log.warning("warning: %s", set_aside(Damage(lib, "not a shared library")))
 
 
 def probe_cpu_isas_in_background() -> None:
@@ -98,7 +127,100 @@ def warm_before_fork() -> None:
     codecache.torch_key()
     for probe in _start_isa_probes():
         probe.join()  # no thread may be alive at the fork
-    codecache.CppPythonBindingsCodeCache.load_pybinding(["float*"], TRIVIAL_KERNEL)
+    survive_damaged_cache()
+    try:
+        codecache.CppPythonBindingsCodeCache.load_pybinding(["float*"], TRIVIAL_KERNEL)
+    except Exception as e:
+        if (damaged := damaged_cache_file(e)) is None:
+            raise
+        log.warning("warning: %s", set_aside(damaged))
+        codecache.CppPythonBindingsCodeCache.load_pybinding(["float*"], TRIVIAL_KERNEL)  # built again
+
+
+# ---------------------------------------------------------------------- a damaged cache file
+# One damaged file in inductor's cache (a wrapper of random bytes, a 0-byte kernel library) broke
+# every later compiled run, naming neither the cache nor the remedy: inductor reuses a file that is
+# there. A file that does not load is moved aside, so that inductor writes or builds it again.
+_DAMAGED = re.compile(r"Failed to import (\S+\.py)$|\b(ImportError|OSError): (\S+\.so): ", re.MULTILINE)
+DAMAGED_SUFFIX = ".damaged"
+
+
+class Damage(NamedTuple):
+    path: Path  # a file of inductor's cache
+    why: str  # what loading it said
+
+
+def damaged_cache_file(e: BaseException) -> Damage | None:
+    """The file of inductor's cache that `e` (or the exception it came from) failed to load: a
+    wrapper that does not import, a kernel library that does not load; None if it names none."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: inductor's cache dir, resolved
+
+    root, seen, x = Path(cache_dir()).resolve(), set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        text = f"{type(x).__name__}: {x}"
+        for m in _DAMAGED.finditer(text):
+            path = Path(m.group(1) or m.group(3))
+            there = path.is_file() or path.with_name(path.name + DAMAGED_SUFFIX).is_file()  # or moved already
+            if there and path.resolve().is_relative_to(root):
+                after = text[m.end() :].lstrip("\n").splitlines()  # a library: the rest of its line
+                said = (after[0] if after else "").strip()  # a wrapper: the line after "Failed to import"
+                return Damage(path, (f"{m.group(2)}: {said}" if m.group(2) else said)[:200] or type(x).__name__)
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def set_aside(damage: Damage) -> str:
+    """Move a damaged cache file aside (`<name>.damaged`); the line that says so and the remedy."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: inductor's cache dir, resolved
+
+    path = damage.path
+    aside = path.with_name(path.name + DAMAGED_SUFFIX)
+    with contextlib.suppress(FileNotFoundError):  # another rank moved it first
+        os.replace(path, aside)
+    return (
+        f"compile cache damaged: {path} does not load ({damage.why}); moved aside to {aside.name}, "
+        f"so that it is built again (to clear the whole cache: rm -rf {shlex.quote(cache_dir())})"
+    )
+
+
+def damage_said(e: BaseException) -> str | None:
+    """For a failure a damaged cache file caused: that file moved aside, and the line saying so."""
+    damaged = damaged_cache_file(e)
+    return None if damaged is None else set_aside(damaged)
+
+
+def _loading_past_damage(raw: classmethod, cls, key: str, path: str, *args, **kwargs):
+    """PyCodeCache.load_by_key_path (a compiled graph's wrapper module, and with it its kernels):
+    a kernel library that does not load is moved aside and the wrapper loaded again (inductor
+    builds the kernel anew); a wrapper that does not import is moved aside and the load fails
+    with an OSError, which inductor's cache takes for a miss (it compiles the graph again)."""
+    moved: set[Path] = set()
+    while True:  # each round moves one file aside, once: a file built again that fails is an error
+        try:
+            return raw.__func__(cls, key, path, *args, **kwargs)
+        except Exception as e:
+            damaged = damaged_cache_file(e)
+            if damaged is None or damaged.path in moved:
+                raise
+            moved.add(damaged.path)
+            log.warning("warning: %s", set_aside(damaged))
+            if damaged.path == Path(path):
+                raise OSError(f"{path}: a damaged cached wrapper, moved aside") from e
+
+
+def survive_damaged_cache() -> None:
+    """Install _loading_past_damage (idempotent; torch 2.13's PyCodeCache, else nothing)."""
+    from torch._inductor.codecache import PyCodeCache  # private: where inductor loads a cached wrapper
+
+    raw = vars(PyCodeCache).get("load_by_key_path")
+    if isinstance(raw, classmethod) and not getattr(raw.__func__, "_titan_survives_damage", False):
+
+        def load_by_key_path(cls, key, path, *args, **kwargs):
+            return _loading_past_damage(raw, cls, key, path, *args, **kwargs)
+
+        load_by_key_path._titan_survives_damage = True
+        PyCodeCache.load_by_key_path = classmethod(load_by_key_path)
 
 
 def _materialize_async_input(module: nn.Module, args: tuple, kwargs: dict):
@@ -170,6 +292,7 @@ def apply_compile(
         toggles.skip("compile", "this pipeline stage holds no transformer blocks")
         return model
     ensure_cache_dir()
+    survive_damaged_cache()
     compile_cache.use(compile_cache.wanted(cfg.shared_cache, device_type))
     probe_cpu_isas_in_background()
     name_groups(group_roles or {}, meshes)
