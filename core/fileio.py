@@ -95,3 +95,13 @@ def check_writable_folder(folder: str | os.PathLike) -> None:
             pass
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(probe)) from None
+
+
+def move_aside(path: str | os.PathLike, suffix: str) -> Path:
+    """Rename `path` to `<path><suffix>` (one rename: a reader sees the file or its absence); a
+    file another process moved first is fine. Returns the new path."""
+    path = Path(path)
+    aside = path.with_name(path.name + suffix)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, aside)
+    return aside

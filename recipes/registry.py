@@ -238,10 +238,10 @@ def deviations(recipe: Recipe, mode: Mode, config: dict, assets: dict | None = N
     ours = {**flatten_keys(JobConfig().to_dict()), **flatten_keys(config)}
     keys = list(canonical) + [k for k in ours if k not in canonical]
     out = [k for k in keys if k not in RUN_LOCAL_KEYS and ours.get(k, _ABSENT) != canonical.get(k, _ABSENT)]
-    dataset = ours.get("data.dataset")
+    dataset, reads_files = ours.get("data.dataset"), mode != "dry-run"  # a dry-run reads no asset
     for key, kind, section, read in (
-        ("tokenizer.path", "tokenizer", "tokenizer", dataset != "synthetic"),
-        ("data.path", "corpus", "data", dataset == "c4_offline"),
+        ("tokenizer.path", "tokenizer", "tokenizer", reads_files and dataset != "synthetic"),
+        ("data.path", "corpus", "data", reads_files and dataset == "c4_offline"),
     ):
         mine = (assets.get(section) or {}).get("asset") if assets is not None else project_asset(ours.get(key), kind)
         if read and mine != project_asset(canonical.get(key), kind):

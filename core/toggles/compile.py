@@ -35,6 +35,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor  # p
 from torch.distributed.tensor import DTensor
 
 from core.config import Compile
+from core.fileio import move_aside
 from core.toggles import compile_cache
 from core.toggles.group_roles import name_groups
 
@@ -175,9 +176,7 @@ def set_aside(damage: Damage) -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: inductor's cache dir, resolved
 
     path = damage.path
-    aside = path.with_name(path.name + DAMAGED_SUFFIX)
-    with contextlib.suppress(FileNotFoundError):  # another rank moved it first
-        os.replace(path, aside)
+    aside = move_aside(path, DAMAGED_SUFFIX)  # another rank may have moved it first
     return (
         f"compile cache damaged: {path} does not load ({damage.why}); moved aside to {aside.name}, "
         f"so that it is built again (to clear the whole cache: rm -rf {shlex.quote(cache_dir())})"
