@@ -43,6 +43,7 @@ def prepare_for_fork(cfgs: list[JobConfig]) -> list[str]:
     """What a launcher that forks the ranks does first (recipes/forked_run.py): import_for, and for
     compiled jobs what every rank's first compile would compute alike (core/toggles/compile.py)."""
     names = import_for(cfgs)
+    _measure_cpu_peaks(cfgs)
     if any(cfg.compile.enabled for cfg in cfgs):
         from core.toggles.compile import warm_before_fork
 
@@ -51,3 +52,26 @@ def prepare_for_fork(cfgs: list[JobConfig]) -> list[str]:
         with contextlib.suppress(Exception):
             warm_before_fork()
     return names
+
+
+def _measure_cpu_peaks(cfgs: list[JobConfig]) -> None:
+    """The CPU peak each job's MFU is measured against (core.metrics.cpu_peak), measured here, in
+    the one process, with the GEMM route the ranks will run: the forked ranks find it cached,
+    rather than each measuring it while the others share the cores."""
+    import torch
+
+    from core import cpu_gemm
+    from core.metrics import cpu_peak
+
+    if torch.cuda.is_available():
+        return
+    before = cpu_gemm.active()
+    try:
+        for cfg in cfgs:
+            if cfg.metrics.peak_flops:
+                continue
+            dtype = cfg.training.mixed_precision_param
+            cpu_gemm.use(cpu_gemm.resolve(cfg.training.bf16_gemm, torch.device("cpu"), dtype))
+            cpu_peak(dtype if dtype == "bfloat16" else "float32")
+    finally:
+        cpu_gemm.use(before)

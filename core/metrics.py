@@ -10,6 +10,7 @@ MFU = FLOPs/token * tokens/s per device / peak FLOP/s of one device.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -98,18 +99,31 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.bfloat16, max_n: int = 204
     return 2 * n**3 / best
 
 
+def _peak_cache(cache_dir: str | None = None) -> Path:
+    folder = Path(cache_dir or os.environ.get("TITAN_CACHE", Path.home() / ".cache" / "titan_recipes"))
+    return folder / "cpu_peak_flops.json"
+
+
 def cpu_peak_flops(dtype: str = "bfloat16", cache_dir: str | None = None) -> float:
-    """Measured once per machine, dtype, thread count and bf16 GEMM route (core.cpu_gemm), cached as JSON."""
-    cache = Path(cache_dir or os.environ.get("TITAN_CACHE", Path.home() / ".cache" / "titan_recipes"))
+    """Measured once per machine, dtype, thread count and bf16 GEMM route (core.cpu_gemm), cached
+    as JSON. A launch that forks its ranks measures it before the fork (core.lazy_imports), alone:
+    ranks measuring side by side would share the cores and cache a peak their steps then beat."""
     key = f"{dtype}-threads{torch.get_num_threads()}-{os.cpu_count()}cpu"
     if dtype == "bfloat16" and cpu_gemm.active() == "fp32":
         key += "-fp32gemm"
-    path = cache / "cpu_peak_flops.json"
+    path = _peak_cache(cache_dir)
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key not in table:
         table[key] = measure_cpu_peak_flops(getattr(torch, dtype))
         atomic_write_json(path, table)
     return table[key]
+
+
+def forget_cpu_peak(cache_dir: str | None = None) -> None:
+    """A step beat the cached CPU peak (MFU over 100%): it was measured under contention. Dropped,
+    so the next launch measures it again (this run's figures keep the peak they were made with)."""
+    with contextlib.suppress(OSError):
+        _peak_cache(cache_dir).unlink()
 
 
 @dataclass(frozen=True)
@@ -274,8 +288,10 @@ class StepLog:
         flops_per_token: float,
         peak_flops: float | None,
         first_step: int,
+        peak_is_cpu: bool = False,
     ):
         self.cfg, self.tokens_per_device, self.rank = cfg, tokens_per_device, rank
+        self.peak_is_cpu, self.peak_forgotten = peak_is_cpu, False  # a cached CPU peak a step may beat
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.logger = MetricsLogger(out_dir, rank, cfg.metrics.enable_tensorboard)
         self.bar = None
@@ -303,6 +319,9 @@ class StepLog:
                 "mfu": self.flops_per_token * tps / self.peak_flops if self.peak_flops else None,
                 "memory_gib": peak_memory_gib(),
             }
+            if values["mfu"] and values["mfu"] > 1 and self.peak_is_cpu and not self.peak_forgotten:
+                forget_cpu_peak()  # the record's check refuses it; the next launch re-measures
+                self.peak_forgotten = True
             self.logger.log(step, values)
             if self.rank == 0:
                 self.write(step_line(step, self.cfg.training.steps, values))

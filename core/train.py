@@ -278,6 +278,7 @@ class Trainer:
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
             peak_flops=self.peak_flops,
             first_step=start_step,
+            peak_is_cpu=self.peak.gemm_route is not None and not cfg.metrics.peak_flops,
         )
         wall0 = time.perf_counter()
         gc_at_steps = GCAtSteps(t.gc_freq)

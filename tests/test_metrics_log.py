@@ -33,3 +33,26 @@ def test_metrics_lr_is_the_lr_the_step_used(pg, tmp_path):
     assert len(used) == steps and logged == pytest.approx(used)
     cfg = trainer.cfg.lr_scheduler
     assert logged[0] == pytest.approx(lr * lr_factor(0, warmup, steps, cfg.decay_type, cfg.min_lr_factor))
+
+
+def test_a_cpu_peak_a_step_beats_is_measured_again(tmp_path, monkeypatch):
+    """A cached CPU peak below what a step reached (measured while other ranks shared the cores)
+    is dropped, so the next launch measures it again; a GPU's vendor peak is never touched."""
+    from core import metrics
+
+    monkeypatch.setenv("TITAN_CACHE", str(tmp_path))
+    cache = tmp_path / "cpu_peak_flops.json"
+    cfg = load_config(overrides=["metrics.log_freq=1", "metrics.progress=false"])
+
+    def log_at(peak_is_cpu: bool, peak: float) -> None:
+        cache.write_text(json.dumps({"bfloat16-threads1-2cpu": 1.0}))
+        sl = metrics.StepLog(tmp_path / str(peak_is_cpu), 1, cfg, 100.0, 1.0, peak, 1, peak_is_cpu=peak_is_cpu)
+        sl.log(1, 1.0, 1.0, 1e-4, dt=1.0, data_dt=0.0)  # 100 FLOP/s against the peak
+        sl.close()
+
+    log_at(peak_is_cpu=True, peak=1000.0)  # MFU 10%: kept
+    assert cache.is_file()
+    log_at(peak_is_cpu=False, peak=10.0)  # a GPU's figure over 100%: not this cache's business
+    assert cache.is_file()
+    log_at(peak_is_cpu=True, peak=10.0)  # MFU 1000%: the cached peak is dropped
+    assert not cache.is_file()
