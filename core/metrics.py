@@ -43,6 +43,8 @@ PEAK_FLOPS = {
     "A100 PCIe": 312e12,
     "B200 SXM": 2.25e15,
     "MI300X": 1.3e15,
+    "MI325X": 1.3e15,  # the MI300X's compute die (core/dryrun/hardware/mi325x.toml)
+    "MI355X": 2.5e15,  # dense BF16 (core/dryrun/hardware/mi355x.toml)
 }
 # The names CUDA and ROCm report, matched whole: the vendor, the model (one word), then only
 # words that say the form factor or the memory ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",

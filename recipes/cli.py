@@ -363,13 +363,17 @@ def _short(v) -> str:
     help="torchrun restarts the group this often after a rank dies; the run resumes "
     "from its latest complete checkpoint (set checkpoint.enabled=true).",
 )
-@click.option(
+@options.text_option(
     "--gpu",
-    default=None,
-    metavar="NAME",
-    callback=options.one_line,
-    help="dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml, or a spec FILE; "
+    "NAME",
+    "dry-run: the GPU system of the throughput prediction (core/dryrun/hardware/NAME.toml, or a spec FILE; "
     "default: the paper's h100_96gb_hbm2e_500w).",
+)
+@options.text_option(
+    "--software",
+    "KEY=VALUE,...",
+    "dry-run: the software the prediction speaks for, e.g. date=2025-03,torch=2.7.0 (a torchtitan stack; "
+    "default: this trainer at the pinned versions). Keys: date, trainer, torch, torchao, torchtitan, cuda, rocm, nccl.",
 )
 @click.option("--verbose", is_flag=True, help="Also echo the launch command and the ranks' failure reports.")
 @click.option(
@@ -394,6 +398,7 @@ def run_cmd(
     sbatch_opts,
     max_restarts,
     gpu,
+    software,
     verbose,
     record_deviating,
     skip_memory_check,
@@ -409,6 +414,7 @@ def run_cmd(
         slurm=slurm,
         sbatch_opts=tuple(sbatch_opts),
         gpu=gpu,
+        software=software,
         verbose=verbose,
         record_deviating=record_deviating,
         skip_memory_check=skip_memory_check,

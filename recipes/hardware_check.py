@@ -59,11 +59,12 @@ def check_node(recipe: Recipe, cfg: JobConfig) -> HardwareReport:
         if n < world:
             missing.append(f"GPUs: {world} needed on this node, {n} visible")
         caps = [torch.cuda.get_device_capability(i) for i in range(n)]
-    for token in hard:
-        need = _sm(token)
-        if need and caps and min(caps) < need:
-            have = "sm{}{}".format(*min(caps))
-            missing.append(f"compute capability {token} (Float8 matmuls): this node has {have}")
+    if "sm89" in hard and caps:  # Float8 matmuls: CUDA sm89+, or an FP8-capable ROCm part
+        from core.toggles.float8 import device_fp8_problem
+
+        problem = next(filter(None, map(device_fp8_problem, range(len(caps)))), None)
+        if problem:
+            missing.append(f"compute capability sm89 (Float8 matmuls): {problem}")
     for token in advisory:
         need = _sm(token)
         if need:

@@ -138,9 +138,11 @@ def log_tail(log_path: Path, lines: int = 30) -> str:
     return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
 
 
-def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = True) -> dict:
+def run_dry(
+    cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = True, software: str | None = None
+) -> dict:
     """core.dryrun.record.dry_run at true scale (fake=False: the accounting without the fake
-    step); the record it returns, completed with our fields."""
+    step; `software`: --software's text); the record it returns, completed with our fields."""
     if not dry_run_available():
         raise CannotRunHere("dry-run is not available in this build (core.dryrun is missing)")
     from core.dryrun.record import dry_run  # imports torch: only when a dry-run is asked for
@@ -149,6 +151,10 @@ def run_dry(cfg: JobConfig, run_dir: Path, gpu: str | None = None, fake: bool = 
 
     cfg.job.output_dir = str(run_dir)
     kwargs = {**({"gpu": gpu} if gpu else {}), **({} if fake else {"fake": False})}
+    if software:
+        from core.dryrun.software import parse
+
+        kwargs["software"] = parse(software)
     record = dict(dry_run(cfg, **kwargs))
     record.setdefault("recipe", cfg.job.recipe)
     record.setdefault("mode", "dry-run")

@@ -59,6 +59,7 @@ class RunOptions:
     slurm: bool = False
     sbatch_opts: tuple[str, ...] = ()
     gpu: str | None = None
+    software: str | None = None  # dry-run: the software stack the prediction speaks for
     verbose: bool = False  # the launch command and the ranks' failure reports on the terminal too
     record_deviating: bool = False  # file a record that is not the row's over a conforming one
     skip_memory_check: bool = False  # proxy: run even where the accounting says the host is too small
@@ -96,8 +97,8 @@ class RowMode:
 
     # --------------------------------------------------------------------- before anything runs
     def check_options(self) -> None:
-        if self.options.gpu is not None:
-            raise RowRefused("error: --gpu is for --mode dry-run")
+        if self.options.gpu is not None or self.options.software is not None:
+            raise RowRefused("error: --gpu and --software are for --mode dry-run")
         if self.options.slurm:
             raise RowRefused("error: --slurm is for --mode real")
 
@@ -207,8 +208,8 @@ class RealMode(RowMode):
     name = "real"
 
     def check_options(self) -> None:
-        if self.options.gpu is not None:
-            raise RowRefused("error: --gpu is for --mode dry-run")
+        if self.options.gpu is not None or self.options.software is not None:
+            raise RowRefused("error: --gpu and --software are for --mode dry-run")
 
     def check_row(self, row: Row) -> None:
         r = row.recipe
@@ -300,6 +301,13 @@ class DryRunMode(RowMode):
                 load_spec(self.options.gpu)
             except SpecError as e:
                 raise RowRefused(f"error: --gpu: {e}") from None
+        if self.options.software is not None:
+            from core.dryrun.software import parse
+
+            try:
+                parse(self.options.software)
+            except ValueError as e:
+                raise RowRefused(f"error: {e}") from None
         if not launcher.dry_run_available():
             raise RowRefused(
                 "error: dry-run is not available in this build (core.dryrun is missing); use --mode proxy", EXIT_CANNOT
@@ -310,7 +318,7 @@ class DryRunMode(RowMode):
         from core.dryrun.gemm import NoGemmRate
 
         try:
-            launcher.run_dry(row.cfg, row.run_dir, self.options.gpu)
+            launcher.run_dry(row.cfg, row.run_dir, self.options.gpu, software=self.options.software)
         except launcher.CannotRunHere as e:
             raise RowRefused(f"error: {e}", EXIT_CANNOT) from None
         except NoGemmRate as e:  # a Float8 recipe the GPU spec has no measured rate for
@@ -338,6 +346,9 @@ def dry_run_summary(record: dict) -> list[str]:
             f"predicted on {p.get('gpu')}: {p['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, MFU {p.get('mfu', 0):.1%}, "
             f"step {p.get('step_time_s', 0):.3f} s; error band {p.get('error_band', 'not known')}"
         )
+    sw = record.get("software") or {}
+    if sw.get("text"):
+        lines.append(f"software: the prediction stands for {sw['text']} (core/dryrun/software.py; --software)")
     return lines
 
 

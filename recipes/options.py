@@ -74,3 +74,8 @@ def check_writable(option: str, folder: str | Path) -> None:
         check_writable_folder(folder)
     except OSError as e:
         refuse(f"error: {option} {folder}: cannot write in {e.filename}: {e.strerror}")
+
+
+def text_option(name: str, metavar: str, help_text: str):
+    """A click option taking one line of text (none by default), checked by `one_line`."""
+    return click.option(name, default=None, metavar=metavar, callback=one_line, help=help_text)

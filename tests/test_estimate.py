@@ -367,8 +367,9 @@ PAPER_SETTINGS = [
     (("70B", 256, 8192, None), {"dp_shard": 32, "tp": 8, "pp": 1, "cp": 1}),  # FSDP 256 > 128 ranks
     # 405B: the rules take the cheapest AC that fits first; compiled op SAC under TP keeps no
     # reduce-scatter or wo/w2 output (measured, test_a_compiled_block_saves_what_the_accounting_counts),
-    # so at PP 32 (one sequence a microbatch) selective fits, where the paper's PP 8 needs full AC.
-    (("405B", 512, 8192, 32), {"dp_shard": 2, "tp": 8, "pp": 32, "cp": 1}),
+    # so on the paper's 95 GiB at PP 16 (two sequences a microbatch) selective fits, where the
+    # paper's PP 8 needs full AC.
+    (("405B", 512, 8192, 32), {"dp_shard": 4, "tp": 8, "pp": 16, "cp": 1}),
     (("8B", 8, 262144, 1), {"dp_shard": 1, "tp": 1, "pp": 1, "cp": 8}),
 ]
 
@@ -380,8 +381,9 @@ def test_advisor_reaches_the_paper_layout(setting, layout):
     from recipes.plan.layouts import candidates
 
     model, gpus, seq, lb = setting
-    # the paper's 405B runs use Float8 with its FSDP all-gather (Tables 3 and 5)
-    ranked = candidates(model, gpus, seq, 80.0, lb, float8=model == "405B")
+    # the paper's 405B runs use Float8 with its FSDP all-gather (Tables 3 and 5); its GPUs hold
+    # 95 GiB, and a candidate fits with its memory band (the accounting's error over its kind)
+    ranked = candidates(model, gpus, seq, M.PAPER_GPU_GIB, lb, float8=model == "405B")
     assert ranked[0].degrees == layout and ranked[0].fits
     if model == "405B":  # the paper's layout is the first that needs full AC
         assert next(c for c in ranked if c.ac == "full").degrees == {"dp_shard": 8, "tp": 8, "pp": 8, "cp": 1}
@@ -400,6 +402,42 @@ def test_plan_command():
     assert "paper (llama3_8b/table1/8gpu_fsdp): the same layout." in res.output
     bad = CliRunner().invoke(main, ["plan", "--model", "8B", "--gpus", "0"])
     assert bad.exit_code != 0
+
+
+def test_plan_refuses_a_layout_that_fits_only_without_its_memory_band():
+    """A candidate fits when its estimate plus the memory band of its kind (the accounting's error
+    over the public readings of that kind, results/memory_validation.md) fits; one that fits only
+    without the band is refused and said to be within its band of the limit."""
+    import json
+
+    from recipes.cli import main
+
+    def ranked(gpu_mem: float) -> dict:
+        args = ["plan", "--model", "8B", "--gpus", "8", "--local-batch", "1", "--no-compile", "--json"]
+        res = CliRunner().invoke(main, [*args, "--gpu-mem", str(gpu_mem)], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return next(c for c in json.loads(res.output) if c["layout"] == "FSDP 8")
+
+    roomy = ranked(200.0)
+    band = roomy["memory_band_pct"]
+    assert band is not None and band > 0, "the memory validation gives the kind a band"
+    need = roomy["estimate_gib"]
+    assert roomy["fits"] and not roomy["within_memory_band_of_limit"]
+    assert roomy["ac"] == "none"
+    tight = ranked(round(need * (1 + band / 200), 2))  # above the estimate, below estimate + band
+    assert tight["ac"] == "selective" and tight["fits"], "no AC is refused: it fits only without its band"
+    # The full-AC fallback when nothing fits with its band says how close it came.
+    from recipes.plan.layouts import candidates
+
+    full = candidates("8B", 8, 8192, 1.0, local_batch=1, compile_=False)[0]
+    assert not full.fits and not full.near_limit and full.fit_text() == "no"
+    full_need = full.estimate_gib
+    near = next(
+        c
+        for c in candidates("8B", 8, 8192, full_need * (1 + full.memory_band / 2), local_batch=1, compile_=False)
+        if c.degrees == full.degrees
+    )
+    assert not near.fits and near.near_limit and "within" in near.fit_text()
 
 
 @pytest.mark.parametrize(

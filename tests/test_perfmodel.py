@@ -442,13 +442,13 @@ MET_EFFECTS = (
 
 
 def test_fitted_constants_are_what_their_named_figures_give():
-    """The three fitted constants are reproducible from their named public figures; each spec that
+    """The four fitted constants are reproducible from their named public figures; each spec that
     holds one names it (constant and figure) in its calibration note, which predictions carry;
     every other spec calibrates nothing."""
     from core.dryrun import calibrate
     from recipes.report import perf_validation
 
-    assert len(calibrate.FITS) <= 3 and len({f.figure for f in calibrate.FITS}) <= 3
+    assert len(calibrate.FITS) <= 4 and len({f.figure for f in calibrate.FITS}) <= 4
     fitted = calibrate.fit(perf_validation.fit_targets())
     holders = set()
     for f in calibrate.FITS:

@@ -420,6 +420,24 @@ def test_float8_needs_sm89_on_cuda(monkeypatch):
     assert check_toggle_hardware(cfg) == {}
 
 
+@pytest.mark.parametrize(("arch", "ok"), [("gfx942:sramecc+:xnack-", True), ("gfx950", True), ("gfx90a", False)])
+def test_float8_on_rocm_needs_an_fp8_part_not_a_gfx_version(monkeypatch, arch, ok):
+    """ROCm reports a GFX version as the capability ((9, 0) for the MI250X, which has no FP8):
+    the check reads the part's LLVM target instead (gfx942: MI300X/MI325X, gfx950: MI350X/MI355X)."""
+    cfg = cfg_of("float8.enabled=true")
+    props = type("Props", (), {"gcnArchName": arch})()
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "AMD Instinct")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    if ok:
+        assert check_toggle_hardware(cfg) == {}
+    else:
+        with pytest.raises(ConfigError, match="float8.enabled: .*gfx942 or gfx950.*gfx90a"):
+            check_toggle_hardware(cfg)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="needs a CUDA GPU with compute capability >= sm89 (float8 matmuls)",

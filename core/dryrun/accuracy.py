@@ -31,6 +31,10 @@ OUTSIDE_KEYS = ("figures", "measured_over_predicted_min", "measured_over_predict
 KIND_FIELDS = ("gpu", "precision", "compile", "ac", "pp", "cp")
 # The fields a band drops, in order, while fewer than a handful of figures are of its kind.
 WIDENING = (("ac",), ("pp", "cp"), ("compile",), ("gpu",), ("precision",))
+# A memory band's kind also says whether TP splits the activations (what a TP rank keeps differs
+# by mechanism, core/dryrun/activations.py); dropped first while a handful is not reached.
+MEMORY_KIND_FIELDS = (*KIND_FIELDS, "tp")
+MEMORY_WIDENING = (("tp",), *WIDENING)
 HANDFUL = 5
 
 
@@ -50,12 +54,13 @@ def kind_of(cfg, gpu: str) -> dict:
         "ac": acs.get(ac.mode) or ("op SAC" if ac.selective_ac_option == "op" else "layer SAC"),
         "pp": p.pp > 1,
         "cp": p.cp > 1,
+        "tp": p.tp > 1,
     }
 
 
 def describe_kind(kind: dict, fields=KIND_FIELDS) -> str:
     """'h100_96gb_hbm2e_500w, Float8 tensorwise, eager, op SAC, no PP, no CP'."""
-    names = {"pp": ("PP", "no PP"), "cp": ("CP", "no CP")}
+    names = {"pp": ("PP", "no PP"), "cp": ("CP", "no CP"), "tp": ("TP", "no TP")}
     return ", ".join(
         (names[k][0] if kind[k] else names[k][1]) if k in names else str(kind[k]) for k in fields if k in kind
     )
@@ -79,6 +84,11 @@ def write(summary: dict) -> None:
     lines.append("judged = [")  # a top-level key: before the first [table]
     for j in summary.get("judged", []):
         fields = ", ".join(f"{k} = {_value(j[k])}" for k in ("id", *KIND_FIELDS, "error_pct", "role"))
+        lines.append(f"  {{ {fields} }},")
+    lines.append("]")
+    lines.append("memory_judged = [")
+    for j in summary.get("memory_judged", []):
+        fields = ", ".join(f"{k} = {_value(j[k])}" for k in ("id", *MEMORY_KIND_FIELDS, "error_pct", "role"))
         lines.append(f"  {{ {fields} }},")
     lines.append("]")
     for name in ("held_out", "memory", "memory_held_out"):
@@ -112,19 +122,19 @@ def _errors(figs: list[dict]) -> tuple[float, float]:
     return statistics.fmean(abs(f["error_pct"]) for f in figs), worst
 
 
-def kind_band(kind: dict, judged: list[dict]) -> dict:
-    """The band of a kind over `judged` (dicts with KIND_FIELDS and error_pct): its own figures'
-    error where a handful back it; else, widened (WIDENING), the error of the first wider group of
-    a handful, never narrower than its own figures' error. Keys: mae, worst, figures, own (its own
-    figures' count), over (the fields the band is drawn over)."""
-    fields = list(KIND_FIELDS)
-    own = [j for j in judged if all(j[k] == kind[k] for k in fields)]
+def kind_band(kind: dict, judged: list[dict], fields=KIND_FIELDS, widening=WIDENING) -> dict:
+    """The band of a kind over `judged` (dicts with `fields` and error_pct): its own figures'
+    error where a handful back it; else, widened (`widening`), the error of the first wider group
+    of a handful, never narrower than its own figures' error. Keys: mae, worst, figures, own (its
+    own figures' count), over (the fields the band is drawn over)."""
+    fields = list(fields)
+    own = [j for j in judged if all(j.get(k) == kind[k] for k in fields)]
     group = own
-    for drop in WIDENING:
+    for drop in widening:
         if len(group) >= HANDFUL:
             break
         fields = [k for k in fields if k not in drop]
-        group = [j for j in judged if all(j[k] == kind[k] for k in fields)]
+        group = [j for j in judged if all(j.get(k) == kind[k] for k in fields)]
     if not group:
         return {"mae": None, "worst": None, "figures": 0, "own": 0, "over": fields}
     mae, worst = _errors(group)
@@ -174,3 +184,10 @@ def text(summary: dict | None = None, gpu: str | None = None, kind: dict | None 
         f"worst {s['worst_pct']:+.1f}%{_gpu_clause(s, gpu) if gpu else ''}"
         f"{_kind_clause(s, kind) if kind else ''}; results/perf_validation.md)"
     )
+
+
+def memory_band(kind: dict, summary: dict | None = None) -> dict:
+    """The memory accounting's band for a kind of run (kind_of): kind_band over the judged memory
+    readings (results/memory_validation.md), TP included in the kind. mae None before a validation."""
+    s = summary if summary is not None else band()
+    return kind_band(kind, (s or {}).get("memory_judged", []), MEMORY_KIND_FIELDS, MEMORY_WIDENING)

@@ -1,4 +1,4 @@
-"""The performance model's three fitted constants, refitted: `run-recipe dry-run-table --calibrate`
+"""The performance model's four fitted constants, refitted: `run-recipe dry-run-table --calibrate`
 (which hands this module the configurations and measured figures: core never imports the
 recipes). Every other number of core/dryrun/hardware/*.toml is a datasheet figure or a cited
 measurement; the values are written into the spec files by hand, with a note naming the figure.
@@ -13,7 +13,11 @@ H100 / H200 parts). Neither is published for these systems:
 - the 700 W Hopper parts (h100_sxm_80gb and h200_141gb share it: the same die at the same power
   limit), fitted on one public H100 SXM figure (results/perf_validation.md names it);
 - the 400 W A100 SXM (a100_sxm_80gb), fitted on torchtitan's 1,000-step run on one node of 8
-  (pytorch/torchtitan PR 355: no network between nodes, the config pinned, steady readings).
+  (pytorch/torchtitan PR 355: no network between nodes, the config pinned, steady readings);
+- the 750 W MI300X (mi300x; not the 1000 W MI325X, whose clock differs), fitted on the one public torchtitan run on
+  an AMD GPU with its configuration stated (torchao's float8 README, bf16 on 8 MI300X): it also
+  absorbs what the spec's borrowed rates miss there (torch's ROCm attention kernels, the GEMMs of
+  the real shapes).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ FITS = (
     ),
     Fit("clock_fraction", ("h100_sxm_80gb", "h200_141gb"), "aws-p5/8b-32-eager", "llama3_8b/table1/128gpu_fsdp"),
     Fit("clock_fraction", ("a100_sxm_80gb",), "tt355/8b-8-a100-eager", "llama3_8b/table1/8gpu_fsdp"),
+    Fit("clock_fraction", ("mi300x",), "aomi300x/8b-8-bf16", "llama3_8b/table1/8gpu_fsdp_compile"),
 )
 
 

@@ -52,10 +52,20 @@ FIELDS = {
         "nvlink_latency_s",
         "network_latency_s",
     ),
-    "efficiency": ("flash_attention_fwd", "flash_attention_bwd", "hbm", "nccl_nvlink", "nccl_rdma"),
+    "efficiency": (
+        "flash_attention_fwd",
+        "flash_attention_bwd",
+        "hbm",
+        "nccl_nvlink",
+        "nccl_rdma",
+        "cudnn_attention_fwd",
+        "cudnn_attention_bwd",
+    ),
 }
 GEMM_KINDS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
-OPTIONAL = {"compute.peak_fp8_flops"}  # absent on a part without FP8 tensor cores (0.0: none)
+# Absent on a part without FP8 tensor cores (0.0: none); cuDNN's attention rates where a spec has
+# no measurement of them (0.0: a software stack that runs cuDNN attention is priced at flash's).
+OPTIONAL = {"compute.peak_fp8_flops", "efficiency.cudnn_attention_fwd", "efficiency.cudnn_attention_bwd"}
 GEMM_POINT_DIMS = ("m", "n", "k")
 MEASURED_KEYS = ("date", "device", "torch", "driver")  # the [measured] table's strings
 LINEAR_TABLE_RECIPES = ("rowwise",)  # recipes a [float8_linear] table may describe
@@ -110,6 +120,8 @@ class GPUSpec:
     hbm: float
     nccl_nvlink: float
     nccl_rdma: float
+    cudnn_attention_fwd: float = 0.0  # 0.0: not measured on this part (priced as flash attention)
+    cudnn_attention_bwd: float = 0.0
     # (kind, measured points) for each GEMM kernel family the spec has a table for
     gemm: tuple[tuple[str, tuple[GemmPoint, ...]], ...] = ()
     calibration: str = ""

@@ -10,6 +10,8 @@ from core.dryrun.fake_step import fake_step
 from core.dryrun.gpuspec import DEFAULT_GPU, load_spec
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
 from core.dryrun.runtime import predict
+from core.dryrun.software import PINNED
+from core.dryrun.stack import THIS_TRAINER, Stack
 from core.metrics import device_info
 from core.parallel.mesh import ParallelDims
 from core.validate import validate
@@ -23,7 +25,7 @@ METHOD = (
 )
 
 
-def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAULT_GPU) -> dict:
+def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAULT_GPU, software=None) -> dict:
     """The dry-run record of a validated paper config: does the layout compose at true scale,
     the estimated peak memory per rank with each part shown, and the predicted step time,
     tokens/s per GPU and MFU on the GPU system `gpu` (core/dryrun/hardware/<gpu>.toml).
@@ -37,7 +39,8 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
     cfg = validate(cfg, check_files=False)  # ConfigError naming the key for a bad layout
     dims = ParallelDims.from_config(cfg.parallelism)
     capacity = load_spec(gpu).hbm_capacity_gib  # an unknown name is refused here, listing the known ones
-    est = estimate_memory(cfg, gpu_gib=capacity)
+    sw = software or PINNED  # the software the prediction speaks for (core/dryrun/software.py)
+    est = estimate_memory(cfg, gpu_gib=capacity, stack=sw.stack())
     record = {
         "recipe": cfg.job.recipe,
         "mode": "dry-run",
@@ -64,7 +67,8 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
             "pp": dims.pp,
         },
         "composes": None,
-        "predicted": predicted_record(cfg, gpu),
+        "predicted": predicted_record(cfg, gpu, sw.stack()),
+        "software": {**sw.record(), "text": sw.text()},
     }
     if fake:
         try:
@@ -102,9 +106,10 @@ def dry_run(cfg, fake: bool = True, track: bool | None = None, gpu: str = DEFAUL
     return record
 
 
-def predicted_record(cfg, gpu: str = DEFAULT_GPU) -> dict:
-    """The performance model's prediction (core.dryrun.runtime.predict), rounded for the record."""
-    pr = predict(cfg, gpu)
+def predicted_record(cfg, gpu: str = DEFAULT_GPU, stack: Stack = THIS_TRAINER) -> dict:
+    """The performance model's prediction (core.dryrun.runtime.predict) for the software `stack`,
+    rounded for the record."""
+    pr = predict(cfg, gpu, stack=stack)
     b = pr["breakdown"]
     return {
         "gpu": pr["gpu"],

@@ -82,7 +82,7 @@ def analytic_flops(cfg) -> dict:
     return {"total": mm + attn, "matmul": mm, "attention": attn}
 
 
-def _pointwise_bytes(s: Shapes, compiled: bool) -> float:
+def _pointwise_bytes(s: Shapes, compiled: bool, fused_norm: bool = False) -> float:
     """HBM bytes of one block's forward outside the matmuls, SDPA and Float8's casts.
 
     Eager, per core/models/llama3.py: RMSNorm upcasts, squares, averages, scales, casts back and
@@ -92,20 +92,25 @@ def _pointwise_bytes(s: Shapes, compiled: bool) -> float:
     and reduction ops between two extern kernels (matmul, SDPA) into one kernel that reads its
     inputs once and writes its outputs once: residual add + RMSNorm (8 bytes), RoPE on q and k
     together with repeat_kv's copy (4 + the expanded write), SiLU x mul (6). Float8's casts:
-    core/dryrun/linears.py."""
+    core/dryrun/linears.py. `fused_norm` (eager): torch's fused RMSNorm kernel reads its input
+    and writes its output once (4 bytes; core/dryrun/stack.py `fused_rms_norm`)."""
     T, a = s.tokens, 2
     Tsp = T * s.sp
     expand = 2 * T * (s.q - s.kv) * a if s.n_rep > 1 else 0.0
     if compiled:
         return 2 * 8 * Tsp * s.d + 4 * T * (s.q + s.kv) + expand + 6 * T * s.f
-    return 2 * 36 * Tsp * s.d + 2 * 6 * Tsp * s.d + 20 * T * (s.q + s.kv) + expand + 2 * expand + 10 * T * s.f
+    norm = 4 if fused_norm else 36
+    return 2 * norm * Tsp * s.d + 2 * 6 * Tsp * s.d + 20 * T * (s.q + s.kv) + expand + 2 * expand + 10 * T * s.f
 
 
 class _Rates:
-    def __init__(self, spec: GPUSpec):
+    def __init__(self, spec: GPUSpec, cudnn_attention: bool = False):
         clk = spec.clock_fraction
-        self.attn_f = spec.peak_bf16_flops * spec.flash_attention_fwd * clk
-        self.attn_b = spec.peak_bf16_flops * spec.flash_attention_bwd * clk
+        # cuDNN's attention where the software runs it and the spec has its rates, else flash's
+        cudnn = cudnn_attention and spec.cudnn_attention_fwd > 0
+        fwd, bwd = (spec.cudnn_attention_fwd, spec.cudnn_attention_bwd) if cudnn else (0.0, 0.0)
+        self.attn_f = spec.peak_bf16_flops * (fwd or spec.flash_attention_fwd) * clk
+        self.attn_b = spec.peak_bf16_flops * (bwd or spec.flash_attention_bwd) * clk
         self.hbm = spec.hbm_bandwidth * spec.hbm
 
 
@@ -144,20 +149,22 @@ def _tp_seconds(cfg, s: Shapes, spec: GPUSpec, link, recipe: str, recomputed: tu
     return out
 
 
-def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
+def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict, stack: Stack = THIS_TRAINER) -> dict:
     """Seconds of one block for one microbatch: forward, recompute, backward, each split into
-    compute / memory_bound / exposed tp / exposed cp."""
-    r = _Rates(spec)
+    compute / memory_bound / exposed tp / exposed cp. `stack`: the software's attention kernel
+    and RMSNorm (core/dryrun/stack.py)."""
+    r = _Rates(spec, stack.cudnn_attention)
     p, ac = cfg.parallelism, cfg.activation_checkpoint
     compiled = cfg.compile.enabled
     fl = block_flops(s, cfg.training.seq_len)
     lin = block_linear_seconds(spec, s, cfg)
     attn_f = fl["attention"] / r.attn_f
     attn_b = FLASH_BWD_OVER_FWD * fl["attention"] / r.attn_b
-    pw_f = _pointwise_bytes(s, compiled) / r.hbm + lin["fwd_cast"]
+    pointwise = _pointwise_bytes(s, compiled, stack.fused_rms_norm)
+    pw_f = pointwise / r.hbm + lin["fwd_cast"]
     # Backward moves about twice the forward's bytes (gradient in, saved input, gradient out);
     # compiled, the min-cut partitioner also reruns the fused forward kernels it did not save.
-    pw_b = (3 if compiled else 2) * _pointwise_bytes(s, compiled) / r.hbm + lin["bwd_cast"]
+    pw_b = (3 if compiled else 2) * pointwise / r.hbm + lin["bwd_cast"]
     # CP: ring attention as torch runs it (core/dryrun/ring.py): the k/v and dk/dv exchanges
     # nothing hides, and the eager fp32 merge / accumulation glue around the per-step SDPA calls.
     cp_f = cp_b = 0.0
@@ -183,7 +190,8 @@ def block_times(cfg, s: Shapes, spec: GPUSpec, links: dict) -> dict:
         rec = {"compute": fwd["compute"] + fwd["memory_bound"], "tp": fwd["tp"], "cp": fwd["cp"]}
     elif ac.mode == "selective" and ac.selective_ac_option == "op":
         mm_re = sum(lin["per_linear"][name][0] for name in recomputed)
-        rec = {"compute": mm_re + pw_f + r.work + r.copies, "tp": r.comm, "cp": 0.0}
+        attn_re = attn_f if stack.sac_recomputes_attention and stack.cudnn_attention else 0.0
+        rec = {"compute": mm_re + attn_re + pw_f + r.work + r.copies, "tp": r.comm, "cp": 0.0}
     elif ac.mode == "selective":
         k = int(ac.selective_ac_option)
         rec = {"compute": (fwd["compute"] + fwd["memory_bound"]) / k, "tp": fwd["tp"] / k, "cp": fwd["cp"] / k}
@@ -312,7 +320,7 @@ def _step_inputs(cfg, spec: GPUSpec, stack: Stack = THIS_TRAINER) -> _Step:
     links = mesh_links(spec, sizes, fsdp_dims)
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     accum = max(1, cfg.training.grad_accum_steps)
-    blk = block_times(cfg, s, spec, links)
+    blk = block_times(cfg, s, spec, links, stack)
     head = head_times(cfg, s, spec, links, a.vocab_size, stack.loss_compiled and cfg.compile.enabled)
     emb = _emb_times(cfg, s, spec, links, a.vocab_size)
     return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb, stack)

@@ -32,6 +32,21 @@ class Stack:
     # AdamW as default"). A config setting, so applied to the figure's config, unless the figure
     # names its implementation (recipes/report/perf_validation.py `software_settings`).
     adamw_foreach: bool = False
+    # Eager RMSNorm as one fused kernel: torch's nn.RMSNorm (torchtitan's norm from PR 985,
+    # 2025-03-19) dispatches to aten::_fused_rms_norm on CUDA from pytorch/pytorch PR 153666 (in
+    # nightlies from about 2025-08-03, in torch 2.9.0): it reads its input and writes its output
+    # once, where the composite upcasts, squares, averages and scales in separate passes. This
+    # trainer's RMSNorm is the composite one (core/models/llama3.py).
+    fused_rms_norm: bool = False
+    # SDPA runs cuDNN's attention on Hopper: torch's default there from pytorch/pytorch PR 128888
+    # (nightlies from July 2024, torch 2.5.0) until PR 138522 made it opt-in (2024-10-22, torch
+    # 2.5.1); torchtitan forced flash attention first on H100 from 2025-05-14 (3b85aa31f) and put
+    # cuDNN first on every GPU from PR 1776 (2025-10-09).
+    cudnn_attention: bool = False
+    # Selective op AC does not save cuDNN attention's output (the save list names only the flash
+    # and efficient kernels), so its forward runs again in backward: torchtitan until PR 2095
+    # (2025-12-01) added _scaled_dot_product_cudnn_attention to it.
+    sac_recomputes_attention: bool = False
 
 
 THIS_TRAINER = Stack()

@@ -146,19 +146,34 @@ def post_optimizer_hook(cfg: JobConfig) -> Callable[[list[nn.Module]], None] | N
     return hook
 
 
+# AMD GPUs with FP8 matrix cores, by LLVM target: gfx942 (MI300X, MI325X; torchao casts to
+# e4m3fnuz there) and gfx950 (MI350X, MI355X; OCP e4m3fn). ROCm reports a GFX version, not a CUDA
+# sm, as the device capability ((9, 0) is the MI250X, which has none).
+ROCM_FP8_ARCHS = ("gfx942", "gfx950")
+
+
+def device_fp8_problem(index: int = 0) -> str | None:
+    """Why GPU `index` has no float8 matmuls, or None (CUDA sm89+, or an FP8-capable ROCm part)."""
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        arch = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "")
+        if arch.split(":")[0] in ROCM_FP8_ARCHS:
+            return None
+        return f"float8 matmuls need an AMD GPU of {' or '.join(ROCM_FP8_ARCHS)} (MI300 series on); {name} is {arch}"
+    cap = torch.cuda.get_device_capability(index)
+    if tuple(cap) < MIN_CUDA_CAPABILITY:
+        need = "CUDA compute capability >= sm89 (Ada/Hopper, e.g. H100)"
+        return f"float8 matmuls need {need}; {name} is sm{cap[0]}{cap[1]}"
+    return None
+
+
 def hardware_problem(cfg: JobConfig) -> str | None:
     """Why this machine cannot run cfg's float8, or None. CPU proxies run it (numerics only)."""
     if not cfg.float8.enabled or cfg.float8.emulate:
         return None
     if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        if tuple(cap) < MIN_CUDA_CAPABILITY:
-            name = torch.cuda.get_device_name()
-            return (
-                f"float8.enabled: float8 matmuls need CUDA compute capability >= sm89 (Ada/Hopper, "
-                f"e.g. H100); this GPU ({name}) is sm{cap[0]}{cap[1]} (or set float8.emulate=true)"
-            )
-        return None
+        problem = device_fp8_problem()
+        return f"float8.enabled: {problem} (or set float8.emulate=true)" if problem else None
     if cfg.job.mode == "real":
         return (
             "float8.enabled: real mode needs CUDA GPUs with compute capability >= sm89 "

@@ -19,6 +19,14 @@ class Candidate:
     memory: dict | None = dataclasses.field(default=None, repr=False)  # estimate_memory's result
     predicted: dict | None = None  # core.dryrun.runtime.predict, when ranked by speed
     band: float | None = None  # the model's error over public figures of its kind (a fraction)
+    memory_band: float | None = None  # the memory accounting's error over readings of its kind
+    near_limit: bool = False  # the estimate fits, but not with its memory band: refused
+
+    def fit_text(self) -> str:
+        """'yes', 'no', or 'no: within ±4.1% of the limit' (fits only without its memory band)."""
+        if self.fits:
+            return "yes"
+        return f"no: within ±{self.memory_band:.1%} of the limit" if self.near_limit and self.memory_band else "no"
 
     @property
     def tps(self) -> float:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from core.dryrun.gpuspec import DEFAULT_GPU
 from recipes.plan.budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
 from recipes.plan.candidate import Candidate
 from recipes.plan.report import against_the_paper, days_text, ranked_json, ranked_table, rate_text
@@ -101,13 +102,25 @@ def _layout_config(model: str, seq: int, lb: int, degrees: dict, gpus: int, ac: 
 
 
 def _cheapest_ac(
-    model: str, seq: int, lb: int, degrees: dict, gpus: int, gpu_mem: float, compile_, float8, fits_only: bool = False
+    model: str,
+    seq: int,
+    lb: int,
+    degrees: dict,
+    gpus: int,
+    gpu_mem: float,
+    compile_,
+    float8,
+    fits_only: bool = False,
+    gpu_name: str = DEFAULT_GPU,
 ):
     """The layout with the cheapest AC mode that fits (or full AC when none does); None when the
     layout itself is invalid (or, `fits_only`, when even full AC does not fit: tried first then,
-    as it needs the least memory)."""
+    as it needs the least memory). Fits: the estimate plus the memory accounting's band for its
+    kind on `gpu_name` (core/dryrun/accuracy.py memory_band) is within `gpu_mem`; one that fits
+    only without its band is refused and marked near_limit."""
     from core.config import ConfigError
-    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
+    from core.dryrun import accuracy
+    from core.dryrun.memory import allocator_gap, estimate_memory
     from core.validate import validate
 
     def at(ac) -> Candidate | None:
@@ -118,8 +131,13 @@ def _cheapest_ac(
             return None  # the layout itself is invalid: no AC mode helps
         est = estimate_memory(cfg, gpu_gib=gpu_mem)
         # Uncapped: a plan needs the allocator's usual slack, not its retry path.
-        need = est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB
-        return Candidate(dict(degrees), ac[0], lb, need, need <= gpu_mem, [], cfg, est)
+        need = est["allocated_peak_gib"] + allocator_gap(est["allocated_peak_gib"])
+        mae = accuracy.memory_band(accuracy.kind_of(cfg, gpu_name))["mae"]
+        band = mae / 100 if mae is not None else None
+        with_band = need * (1 + (band or 0.0))
+        c = Candidate(dict(degrees), ac[0], lb, need, with_band <= gpu_mem, [], cfg, est, memory_band=band)
+        c.near_limit = need <= gpu_mem < with_band
+        return c
 
     full = at(AC_ORDER[-1]) if fits_only else None
     if fits_only and (full is None or not full.fits):
@@ -141,7 +159,7 @@ def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None) -> list[Candid
     accuracy.py): predictions within their band of the fastest are a tie the model cannot
     break, ordered by the rules (SPEED_TIE before any validation)."""
     from core.dryrun import accuracy
-    from core.dryrun.gpuspec import DEFAULT_GPU, GPUSpec, load_spec
+    from core.dryrun.gpuspec import GPUSpec, load_spec
     from core.dryrun.runtime import predict
 
     if not ranked:
@@ -188,6 +206,7 @@ def candidates(
     one whenever there is one; empty when there is none)."""
     from core.models.llama3 import FLAVORS
 
+    gpu_name = _spec_name(gpu)
     out = []
     for dp, tp, pp, cp in _layouts(gpus, gpus_per_node, FLAVORS[model].n_layers):
         lb = _local_batch(dp, pp, local_batch, global_batch)
@@ -195,12 +214,23 @@ def candidates(
         violations = _violations(degrees, seq, gpus_per_node)
         if lb is None or (best_only and violations):
             continue
-        best = _cheapest_ac(model, seq, lb, degrees, gpus, gpu_mem, compile_, float8, fits_only=best_only)
+        best = _cheapest_ac(
+            model, seq, lb, degrees, gpus, gpu_mem, compile_, float8, fits_only=best_only, gpu_name=gpu_name
+        )
         if best is not None and (best.fits or not best_only):
             best.violations = violations
             out.append(best)
     ranked = sorted(out, key=Candidate.key)
     return _by_speed(ranked, gpu) if by_speed else ranked
+
+
+def _spec_name(gpu) -> str:
+    """The name of the GPU spec a plan sizes for (a name, a loaded spec, a spec file, or None)."""
+    from core.dryrun.gpuspec import GPUSpec, load_spec
+
+    if isinstance(gpu, GPUSpec):
+        return gpu.name
+    return load_spec(gpu).name if gpu else DEFAULT_GPU
 
 
 def _violations(d: dict, seq: int, gpus_per_node: int) -> list[str]:

@@ -40,6 +40,7 @@ CSV_COLUMNS = (
     "predicted_reserved_gib",
     "error_pct",
     "peak_at",
+    "software",
 )
 
 
@@ -56,14 +57,18 @@ def role(f) -> str:
 def predict_all(figs: list) -> None:
     """Each memory-bearing figure's predicted peak reserved GiB (and where the peak is)."""
     from core.dryrun.gpuspec import load_spec
-    from core.dryrun.memory import estimate_memory
+    from core.dryrun.memory import estimate_memory, reserved
     from core.dryrun.stack import stack_of
 
     for f in figs:
         if f.measured_reserved is None:
             continue
-        est = estimate_memory(f.cfg, gpu_gib=load_spec(f.gpu).hbm_capacity_gib, stack=stack_of(f.stack))
+        capacity = load_spec(f.gpu).hbm_capacity_gib
+        est = estimate_memory(f.cfg, gpu_gib=capacity, stack=stack_of(f.stack))
         f.predicted_reserved, f.peak_at = est["estimated_peak_gib"], est["peak_at"]
+        if f.memory_pp_rank is not None:  # a reading of one pipeline rank: that rank's prediction
+            f.predicted_reserved = reserved(est["per_pp_rank_allocated_gib"][f.memory_pp_rank], capacity)
+            f.peak_at = f"pp rank {f.memory_pp_rank}"
 
 
 def with_memory(figs: list) -> list:
@@ -82,7 +87,7 @@ def summary(figs: list) -> dict:
     held = [f for f in ok if role(f) == "held_out"]
     return {
         "memory": errors(ok, error),
-        "memory_held_out": {**errors(held, error), "within_band": band_coverage(ok, error, role)},
+        "memory_held_out": {**errors(held, error), "within_band": band_coverage(ok, error, role, memory=True)},
         "memory_gpus": {g: errors([f for f in ok if f.gpu == g], error) for g in sorted({f.gpu for f in ok})},
         "memory_judged": judged_kinds(ok, error, role),
     }
@@ -101,6 +106,7 @@ def csv_rows(figs: list) -> list[dict]:
             "predicted_reserved_gib": round(f.predicted_reserved, 2),
             "error_pct": round(error(f), 1),
             "peak_at": f.peak_at,
+            "software": f.software.short(),
         }
         for f in judged(figs)
     ]

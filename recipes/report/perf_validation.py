@@ -12,6 +12,7 @@ a constant was fitted on (core/dryrun/calibrate.py) is marked and left out of th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from importlib import resources
@@ -48,6 +49,7 @@ CSV_COLUMNS = (
     "predicted_tps_per_gpu",
     "error_pct",
     "fitted",
+    "software",
 )
 MAE_GOAL_PCT, WORST_GOAL_PCT = 8.0, 20.0
 NO_MEM = {"allocated_peak_gib": 0.0}  # memory is not what is validated here
@@ -69,7 +71,9 @@ class Figure:
     measured_reserved: float | None = None  # GiB, torch's max reserved as the source logs it
     memory_outside: str = ""  # why the memory reading is shown and never judged
     memory_role: str = ""  # the memory reading's role where it differs from the figure's
+    memory_pp_rank: int | None = None  # the pipeline rank the reading is of (else: the worst rank)
     stack: dict = field(default_factory=dict)  # the software's differences (core/dryrun/stack.py)
+    software: object = None  # core.dryrun.software.Software: what ran it
     predicted: float | None = None
     predicted_reserved: float | None = None
     peak_at: str = ""  # where the accounting's peak is
@@ -100,7 +104,7 @@ def _reference_figures() -> list[Figure]:
             if r.reference.get(key):
                 f = Figure(f"{col}/{r.id}", col, r.id, DEFAULT_GPU, float(r.reference[key]))
                 f.measured_reserved = r.reference.get(mem)
-                f.stack = dict(data()["sources"][col].get("stack", {}))
+                f.software, f.stack = _software_and_stack(col, {})
                 out.append(f)
     return out
 
@@ -126,15 +130,27 @@ def figures() -> list[Figure]:
                 measured_reserved=f.get("measured_reserved_gib"),
                 memory_outside=f.get("memory_outside", ""),
                 memory_role=f.get("memory_role", ""),
-                stack={**data()["sources"][f["source"]].get("stack", {}), **f.get("stack", {})},
+                memory_pp_rank=f.get("memory_pp_rank"),
             )
         )
+        out[-1].software, out[-1].stack = _software_and_stack(f["source"], f.get("stack", {}))
     fitted = set(calibrate.fitted_figures())
     for f in out:
         f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", software_settings(f.stack, f.overrides))
         # A fit on a figure fits every figure of the same configuration on the same GPU.
         f.fitted = any(g.id in fitted and _same_run(f, g) for g in out)
     return out
+
+
+def _software_and_stack(source: str, own: dict) -> tuple:
+    """A figure's software (its source's `software`) and the stack the model runs it with: what
+    the software's versions decide (core/dryrun/software.py), where the source's or the figure's
+    own `stack` does not say otherwise (a run whose code differs from its date's)."""
+    from core.dryrun.software import of_source, stack_with
+
+    src = data()["sources"][source]
+    sw = of_source(src["software"])
+    return sw, dataclasses.asdict(stack_with(sw, {**src.get("stack", {}), **own}))
 
 
 def software_settings(stack: dict, overrides: tuple[str, ...]) -> list[str]:
@@ -158,7 +174,10 @@ def fit_targets() -> dict[str, tuple[object, float, object]]:
 
 
 def _same_run(a: Figure, b: Figure) -> bool:
-    return a.row == b.row and a.overrides == b.overrides and a.gpu == b.gpu and a.stack == b.stack
+    def priced(f: Figure) -> dict:  # what of its stack the model reads for this config
+        return {k: v for k, v in f.stack.items() if k != "sac_saves_abs" or f.cfg.float8.enabled}
+
+    return a.row == b.row and a.overrides == b.overrides and a.gpu == b.gpu and priced(a) == priced(b)
 
 
 def predict_all(figs: list[Figure]) -> list[Figure]:
@@ -224,6 +243,7 @@ def csv_rows(figs: list[Figure]) -> list[dict]:
             "predicted_tps_per_gpu": round(f.predicted, 1),
             "error_pct": round(f.error_pct, 1),
             "fitted": "yes" if f.fitted else "no",
+            "software": f.software.short(),
         }
         for f in figs
         if not f.outside
@@ -338,7 +358,8 @@ def _not_predicted(t: dict) -> list[str]:
         return ", ".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}" if v else ""
 
     rows = [
-        [n["id"], n["gpu"], cell(n["measured_tps_per_gpu"]), cell(n.get("measured_reserved_gib")), n["why"], n["url"]]
+        [n["id"], n["gpu"], cell(n.get("measured_tps_per_gpu")), cell(n.get("measured_reserved_gib")), n["why"]]
+        + [n["url"]]
         for n in data()["not_predicted"]
     ]
     return [

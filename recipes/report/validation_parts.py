@@ -43,14 +43,15 @@ def judged_kinds(figs: list, error=lambda f: f.error_pct, role=_role) -> list[di
     return [{"id": f.id, **f.kind, "error_pct": round(error(f), 2), "role": role(f)} for f in figs]
 
 
-def band_coverage(figs: list, error=lambda f: f.error_pct, role=_role) -> str:
+def band_coverage(figs: list, error=lambda f: f.error_pct, role=_role, memory: bool = False) -> str:
     """How many held-out figures fall within the band their kind had before they arrived (drawn
-    from the prior and listed figures alone): 'k of n'."""
+    from the prior and listed figures alone): 'k of n'. `memory`: the memory bands' kinds."""
     before = judged_kinds([f for f in figs if role(f) != "held_out"], error, role)
     held = [f for f in figs if role(f) == "held_out"]
+    fields = (accuracy.MEMORY_KIND_FIELDS, accuracy.MEMORY_WIDENING) if memory else ()
     inside = 0
     for f in held:
-        b = accuracy.kind_band(f.kind, before)
+        b = accuracy.kind_band(f.kind, before, *fields)
         inside += b["mae"] is not None and abs(error(f)) <= b["mae"]
     return f"{inside} of {len(held)}"
 
@@ -92,17 +93,19 @@ def verdict(met: bool) -> str:
 
 
 def kinds_table(s: dict, key: str = "judged") -> list[list]:
-    """One row per kind of run among the judged figures: how many, their error, the held-out ones."""
+    """One row per kind of run among the judged figures: how many, their error, the held-out ones
+    (the memory readings' kinds also say TP or not)."""
+    fields = accuracy.MEMORY_KIND_FIELDS if key == "memory_judged" else accuracy.KIND_FIELDS
     groups: dict[tuple, list[dict]] = {}
     for j in s[key]:
-        groups.setdefault(tuple(j[k] for k in accuracy.KIND_FIELDS), []).append(j)
+        groups.setdefault(tuple(j[k] for k in fields), []).append(j)
     rows = []
     for k, js in sorted(groups.items(), key=lambda kv: (-len(kv[1]), str(kv[0]))):
-        kind = dict(zip(accuracy.KIND_FIELDS, k, strict=True))
+        kind = dict(zip(fields, k, strict=True))
         held = [j for j in js if j["role"] == "held_out"]
         mae = statistics.fmean(abs(j["error_pct"]) for j in js)
         worst = max((j["error_pct"] for j in js), key=abs)
-        rows.append([accuracy.describe_kind(kind), len(js), f"{mae:.1f}", f"{worst:+.1f}", len(held)])
+        rows.append([accuracy.describe_kind(kind, fields), len(js), f"{mae:.1f}", f"{worst:+.1f}", len(held)])
     return rows
 
 

@@ -150,7 +150,7 @@ def _layouts(m, capacity: float, quick: bool, echo, layers: int = 0) -> list[tup
     """(precision, AC mode, config) of each run: the CPU proxy in bf16; on a GPU the one-GPU
     layout (8B's widths with the most blocks, of 32, whose estimate without AC fits the GPU;
     compiled) in bf16 and, where the GPU runs float8 matmuls, Float8 tensorwise."""
-    from core.dryrun.memory import ALLOCATOR_GAP_GIB, estimate_memory
+    from core.dryrun.memory import allocator_gap, estimate_memory
     from core.validate import validate
     from recipes.gpu_spec.shapes import ONE_GPU, PROXY, PROXY_QUICK, layout_config
 
@@ -169,7 +169,7 @@ def _layouts(m, capacity: float, quick: bool, echo, layers: int = 0) -> list[tup
 
     def fits(layers: int) -> bool:  # as plan counts it: the allocator's usual slack on top
         est = estimate_memory(cfg(layers, "none", False), capacity)
-        return est["allocated_peak_gib"] + ALLOCATOR_GAP_GIB <= capacity
+        return est["allocated_peak_gib"] + allocator_gap(est["allocated_peak_gib"]) <= capacity
 
     layers = layers or max((n for n in range(1, 33) if fits(n)), default=1)
     echo(f"  the one-GPU layout: {ONE_GPU['flavor']}'s widths, {layers} of its blocks, seq {ONE_GPU['seq']}")

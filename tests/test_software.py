@@ -1,0 +1,91 @@
+"""The software a prediction speaks for (core/dryrun/software.py): the rules that derive what a
+software stack does differently from its versions and dates, --software, and the dry-run's line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from core.dryrun import software as S
+from core.dryrun.stack import THIS_TRAINER
+
+
+def test_this_trainer_is_the_pinned_stack():
+    assert S.PINNED.stack() == THIS_TRAINER
+    assert "torch 2.13.0" in S.PINNED.text() and S.PINNED.trainer == S.THIS_TRAINER_NAME
+
+
+@pytest.mark.parametrize(
+    ("sw", "field", "expected"),
+    [
+        # torchtitan's nn.RMSNorm (2025-03-19) on a torch with the fused kernel (2.9, nightlies from 2025-08-03)
+        (S.Software("2025-08-29", torch="nightly of Aug 2025"), "fused_rms_norm", True),
+        (S.Software("2025-08", torch="2.9.0.dev20250815+cu128"), "fused_rms_norm", True),
+        (S.Software("2025-07-01"), "fused_rms_norm", False),  # 2.7.0, its date's release
+        (S.Software("2025-02-01", torch="2.9.0"), "fused_rms_norm", False),  # torchtitan's own norm then
+        # cuDNN attention: torch 2.5.0 / nightlies of Jul-Oct 2024, and torchtitan from 2025-10-09
+        (S.Software("2024-10-20", torch="2.5.0"), "cudnn_attention", True),
+        (S.Software("2024-11-01", torch="2.5.1"), "cudnn_attention", False),
+        (S.Software("2024-09", torch="2.6.0.dev20240901"), "cudnn_attention", True),
+        (S.Software("2024-09"), "cudnn_attention", False),  # 2.4.0, its date's release
+        (S.Software("2025-08-11", torch="2.9.0.dev20250811"), "cudnn_attention", False),  # flash forced on H100
+        (S.Software("2025-10-26"), "cudnn_attention", True),
+        (S.Software("2025-10-26"), "sac_recomputes_attention", True),
+        (S.Software("2025-12-02"), "sac_recomputes_attention", False),
+        # FSDP2 kept the root gathered before torch 2.8 (pytorch PR 154704, June 2025)
+        (S.Software("2025-03", torch="2.7.0a0+gitb98af95"), "root_kept_gathered", True),
+        (S.Software("2025-06", torch="2.8.0a0+5228986c39"), "root_kept_gathered", False),
+        (S.Software("2025-09", torch="2.7.1"), "root_kept_gathered", True),
+        (S.Software("2025-02-23"), "adamw_foreach", True),
+        (S.Software("2025-02-24"), "adamw_foreach", False),
+    ],
+)
+def test_each_mechanism_is_decided_by_the_versions(sw, field, expected):
+    assert getattr(sw.stack(), field) is expected
+
+
+def test_software_text_names_what_was_not_stated():
+    assert "torch 2.4.0 (not stated: its date's release)" in S.Software("2024-09").text()
+    assert S.Software("2025-08-11", torch="2.9.0.dev20250811+rocm6.4", rocm="6.4").short().endswith("ROCm 6.4")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("torch=2.7.0", "date=YYYY-MM is required"),
+        ("date=2025-03,cudnn=9", "not KEY=VALUE with KEY one of"),
+        ("date=March", "is not YYYY-MM"),
+        ("date=2025-03,torch", "not KEY=VALUE"),
+    ],
+)
+def test_bad_software_is_refused_naming_the_key(text, error):
+    with pytest.raises(ValueError, match=error):
+        S.parse(text)
+
+
+def test_dry_run_names_the_software_and_takes_another(tmp_path):
+    """The dry-run's last line names the software its prediction stands for; --software asks for
+    another stack's (here torchtitan of Oct 2025: cuDNN attention and the fused RMSNorm make the
+    same eager row faster), and a bad one is refused before anything runs."""
+    from recipes.cli import main
+
+    def dry(*extra: str) -> tuple[str, dict]:
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        args = ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "dry-run", "--out", str(out), *extra]
+        res = CliRunner().invoke(main, [*args, "--set", "training.local_batch_size=1"], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return res.output, json.loads((out / "result.json").read_text())
+
+    text, ours = dry()
+    last = [line.strip() for line in text.splitlines() if line.strip().startswith("software:")]
+    assert last and "titan-recipes" in last[0] and "torch 2.13.0" in last[0]
+    text, theirs = dry("--software", "date=2025-10-26")
+    assert "torchtitan of 2025-10-26" in text
+    assert theirs["software"]["stack"]["cudnn_attention"] and theirs["software"]["stack"]["fused_rms_norm"]
+    assert theirs["predicted"]["tokens_per_sec_per_gpu"] > ours["predicted"]["tokens_per_sec_per_gpu"] * 1.05
+    bad = CliRunner().invoke(
+        main, ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "proxy", "--software", "date=2025-01"]
+    )
+    assert bad.exit_code != 0 and "--software are for --mode dry-run" in bad.output
