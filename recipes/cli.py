@@ -373,7 +373,8 @@ def _short(v) -> str:
     "--software",
     "KEY=VALUE,...",
     "dry-run: the software the prediction speaks for, e.g. date=2025-03,torch=2.7.0 (a torchtitan stack; "
-    "default: this trainer at the pinned versions). Keys: date, trainer, torch, torchao, torchtitan, cuda, rocm, nccl.",
+    "default: this trainer at the pinned versions). Keys: date, trainer, torch, torchao, torchtitan, cuda, "
+    "rocm, cudnn, nccl.",
 )
 @click.option("--verbose", is_flag=True, help="Also echo the launch command and the ranks' failure reports.")
 @click.option(

@@ -225,6 +225,15 @@ def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dic
     }
 
 
+def fused_loss(cfg, loss_compiled: bool) -> bool:
+    """The compiled loss is one fused kernel (core/dryrun/stack.py `loss_compiled`), except under
+    loss parallel: there the loss is DTensor's handlers (torch/distributed/tensor/parallel/loss.py:
+    log-softmax and NLL with an all-reduce of the max and of the sum between them), which keep the
+    fp32 logits and the log-softmax output, compiled or not."""
+    p = cfg.parallelism
+    return loss_compiled and not (p.tp > 1 and p.loss_parallel)
+
+
 def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> dict:
     """The final norm + output projection + cross-entropy of the last stage (bytes per
     microbatch): what stays saved after forward and the extra working set of the loss.
@@ -245,7 +254,8 @@ def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> di
     """
     s = s or shapes(cfg)
     T, a, V = s.tokens, s.act, s.vocab
-    if loss_compiled:
+    lp = s.tp > 1 and cfg.parallelism.loss_parallel
+    if fused_loss(cfg, loss_compiled):
         norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d
         return {
             "saved": norm_saved + a * T * V + 4 * T,
@@ -256,7 +266,7 @@ def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> di
             "logits": a * T * V,
             "logits_grad": T * V * a,
         }
-    lp = 4 if (s.tp > 1 and cfg.parallelism.loss_parallel) else 0
+    lp = 4 if lp else 0
     norm_saved = T * s.sp * (4 * s.d + a * s.d + 4) + T * a * s.d  # + the projection's input
     lsm = 4 * T * V
     logits = MODEL_LOGITS_BYTES * T * V

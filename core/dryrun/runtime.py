@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.dryrun import accuracy, adamw, ring
-from core.dryrun.activations import Shapes, microbatches, shapes
+from core.dryrun.activations import Shapes, fused_loss, microbatches, shapes
 from core.dryrun.asynctp import TPCost, block_collectives, exposed, fused_gather_copies, seq_dim_copy_seconds
 from core.dryrun.comms import mesh_links
 from core.dryrun.fsdp_cost import fsdp_copies, fsdp_stream, fsdp_times
@@ -321,7 +321,7 @@ def _step_inputs(cfg, spec: GPUSpec, stack: Stack = THIS_TRAINER) -> _Step:
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     accum = max(1, cfg.training.grad_accum_steps)
     blk = block_times(cfg, s, spec, links, stack)
-    head = head_times(cfg, s, spec, links, a.vocab_size, stack.loss_compiled and cfg.compile.enabled)
+    head = head_times(cfg, s, spec, links, a.vocab_size, fused_loss(cfg, stack.loss_compiled and cfg.compile.enabled))
     emb = _emb_times(cfg, s, spec, links, a.vocab_size)
     return _Step(cfg, spec, a, s, dims, links, shard, accum, blk, head, emb, stack)
 

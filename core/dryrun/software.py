@@ -18,7 +18,7 @@ import re
 from core.dryrun.stack import Stack, stack_of
 from core.versions import PINNED as PINNED_VERSIONS
 
-FIELDS = ("date", "trainer", "torch", "torchao", "torchtitan", "cuda", "rocm", "nccl")
+FIELDS = ("date", "trainer", "torch", "torchao", "torchtitan", "cuda", "rocm", "cudnn", "nccl")
 THIS_TRAINER_NAME = "titan-recipes"
 _DATE = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 
@@ -36,6 +36,7 @@ class Software:
     torchtitan: str = ""
     cuda: str = ""
     rocm: str = ""
+    cudnn: str = ""
     nccl: str = ""
 
     def __post_init__(self):
@@ -45,7 +46,8 @@ class Software:
     def text(self) -> str:
         """'torchtitan of 2025-03 (torch 2.7.0a0+gitb98af95, torchao 0.10.0, CUDA not stated)'; a
         torch not stated is named as the release taken for it."""
-        parts = [f"{k} {getattr(self, k)}" for k in ("torch", "torchao", "torchtitan", "nccl") if getattr(self, k)]
+        named = ("torch", "torchao", "torchtitan", "cudnn", "nccl")
+        parts = [f"{k} {getattr(self, k)}" for k in named if getattr(self, k)]
         if not self.torch:
             parts.insert(0, f"torch {_torch(self)} (not stated: its date's release)")
         gpu_stack = f"ROCm {self.rocm}" if self.rocm else f"CUDA {self.cuda}" if self.cuda else "CUDA not stated"
