@@ -106,7 +106,7 @@ def _noac_saved(s: Shapes, compiled: bool) -> dict[str, float]:
             "ffn_hidden": 2 * T * a * s.f,
         }
     return {
-        "norm": 2 * sp_T * (4 * s.d + a * s.d + 4),
+        "norm": 2 * sp_T * (4 * s.d + s.res * s.d + 4),
         "linear_inputs": 2 * T * lin_in * s.d,
         "sdpa_qkv": T * a * (s.q + 2 * kv_sdpa),
         "attention_out": T * (a * s.q + 4 * s.heads),
@@ -191,7 +191,7 @@ def layer_memory(cfg, s: Shapes | None = None, extra: dict | None = None) -> dic
     # Backward, at the FFN: the block's recomputed activations, the full-sequence output gradient
     # and two FFN-hidden gradients (one compiled); at the attention, after the FFN's activations
     # are freed: q/k/v gradients and ring attention's buffers.
-    full_seq = T * a * s.d
+    full_seq = T * s.res * s.d  # the block output gradient: fp32 where the residual is (autocast)
     hidden = T * a * s.f
     kv_sdpa = s.q if s.n_rep > 1 else s.kv
     io = (2 if s.tp > 1 else 1) * full_seq
