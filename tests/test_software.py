@@ -89,3 +89,18 @@ def test_dry_run_names_the_software_and_takes_another(tmp_path):
         main, ["run", "llama3_8b/table1/8gpu_fsdp", "--mode", "proxy", "--software", "date=2025-01"]
     )
     assert bad.exit_code != 0 and "--software are for --mode dry-run" in bad.output
+
+
+def test_torchtitans_chunked_loss_holds_one_chunk_of_logits():
+    """torchtitan's Llama 3 configs chunk the loss from PR 3779 (2026-06-26): the head holds one
+    chunk's logits and an fp32 [T, D] gradient buffer instead of every logit."""
+    from core.dryrun.activations import chunked, head_memory, shapes
+    from tests.test_estimate import small_cfg
+
+    assert S.Software("2026-06-25").stack().loss_chunks == 0 and S.Software("2026-08-05").stack().loss_chunks == 8
+    cfg = small_cfg("parallelism.dp_shard=2", world=2)
+    s = shapes(cfg)
+    whole, parts = head_memory(cfg, s), chunked(head_memory(cfg, s), 8, s)
+    assert parts["logits"] == whole["logits"] / 8
+    assert parts["loss_bwd_work"] == whole["loss_bwd_work"] / 8 + 4 * s.tokens * s.d
+    assert parts["saved"] < whole["saved"] and chunked(whole, 0, s) == whole

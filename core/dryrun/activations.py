@@ -234,6 +234,18 @@ def fused_loss(cfg, loss_compiled: bool) -> bool:
     return loss_compiled and not (p.tp > 1 and p.loss_parallel)
 
 
+def chunked(hm: dict, chunks: int, s: Shapes) -> dict:
+    """The head's memory when the loss runs in `chunks` sequence chunks (core/dryrun/stack.py
+    `loss_chunks`): each chunk's logits and loss tensors are a chunk's share, freed by its own
+    backward, and the hidden states' gradient gathers in an fp32 [T, D] buffer."""
+    if chunks <= 1:
+        return hm
+    out = {k: v / chunks for k, v in hm.items() if k in ("log_softmax", "loss_fwd_work", "logits", "logits_grad")}
+    out["loss_bwd_work"] = hm["loss_bwd_work"] / chunks + 4 * s.tokens * s.d
+    out["saved"] = hm["norm_saved"] + out["log_softmax"]
+    return {**hm, **out}
+
+
 def head_memory(cfg, s: Shapes | None = None, loss_compiled: bool = False) -> dict:
     """The final norm + output projection + cross-entropy of the last stage (bytes per
     microbatch): what stays saved after forward and the extra working set of the loss.

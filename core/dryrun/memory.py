@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 
 from core.dryrun import adamw
-from core.dryrun.activations import Shapes, head_memory, layer_memory, microbatches, shapes
+from core.dryrun.activations import Shapes, chunked, head_memory, layer_memory, microbatches, shapes
 from core.dryrun.linears import float8_memory, fp8_all_gather
 from core.dryrun.stack import THIS_TRAINER, Stack
 from core.models.args import model_args
@@ -319,7 +319,7 @@ def estimate_memory(cfg, gpu_gib: float = PAPER_GPU_GIB, stack: Stack = THIS_TRA
     dims = ParallelDims.from_config(p)
     s = shapes(cfg)
     lm = layer_memory(cfg, s, float8_memory(cfg, s, stack))
-    hm = head_memory(cfg, s, stack.loss_compiled and cfg.compile.enabled)
+    hm = chunked(head_memory(cfg, s, stack.loss_compiled and cfg.compile.enabled), stack.loss_chunks, s)
     shard = p.dp_shard * p.cp if dims.fsdp_enabled else 1
     placement = rank_stages(cfg)
     n_stages = sum(len(r) for r in placement)

@@ -78,6 +78,7 @@ class Software:
             fused_rms_norm=self.date >= "2025-03-19" and _torch_since(self, (2, 9), "2025-08-03"),
             cudnn_attention=cudnn,
             sac_recomputes_attention=cudnn and self.date < "2025-12-01",
+            loss_chunks=8 if self.date >= "2026-06-26" else 0,
         )
 
 

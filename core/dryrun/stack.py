@@ -47,6 +47,11 @@ class Stack:
     # and efficient kernels), so its forward runs again in backward: torchtitan until PR 2095
     # (2025-12-01) added _scaled_dot_product_cudnn_attention to it.
     sac_recomputes_attention: bool = False
+    # torchtitan's Llama 3 configs compute the output projection and the loss in chunks of the
+    # sequence, each chunk's backward right after its forward (ChunkedLossWrapper, num_chunks 8,
+    # torchtitan PR 3779, 2026-06-26): one chunk's logits at a time, and the hidden states'
+    # gradient gathered in an fp32 [T, D] buffer (its GradAccumulator). 0: not chunked.
+    loss_chunks: int = 0
 
 
 THIS_TRAINER = Stack()
