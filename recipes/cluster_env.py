@@ -14,12 +14,19 @@ from recipes.paths import project_root
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
 # Every launch, where the caller's environment has none (base_env; the multi-node ones as `${X:-v}`).
-LAUNCH_ENV = {
-    "PYTHONUNBUFFERED": "1",  # the ranks' lines reach the log as they are printed
-    # pytorch#135712: workers restarted by torchrun (--max-restarts) on the rendezvous' shared
-    # TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh failed")
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-}
+LAUNCH_ENV = {"PYTHONUNBUFFERED": "1"}  # the ranks' lines reach the log as they are printed
+# A launch with --max-restarts adds these. pytorch#135712: workers restarted by torchrun on the
+# rendezvous' shared TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh
+# failed"). Not for every launch: rank 0 then binds a port torchrun chose earlier, which another
+# process may take meanwhile (EADDRINUSE); a restarted group gets another try, a plain one none.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch_env(max_restarts: int = 0) -> dict[str, str]:
+    """What every launch sets (where the caller's environment has none), with restarts or without."""
+    return {**LAUNCH_ENV, **(RESTART_ENV if max_restarts else {})}
+
+
 # A real run's own, besides a node-local inductor cache (node_local_cache_dir).
 REAL_ENV = {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}
 
@@ -67,13 +74,13 @@ def real_env_defaults() -> dict[str, str]:
     return {**REAL_ENV, "TORCHINDUCTOR_CACHE_DIR": node_local_cache_dir()}
 
 
-def node_env_assignments() -> list[str]:
+def node_env_assignments(max_restarts: int = 0) -> list[str]:
     """`NAME=value` shell words of what every real launch sets on its node, as the local launch
     does (base_env + real_env_defaults; tests/test_issue51_launch.py holds them equal): the
-    checkout first on the path, LAUNCH_ENV, REAL_ENV and a node-local inductor cache (every rank of
+    checkout first on the path, launch_env, REAL_ENV and a node-local inductor cache (every rank of
     every node compiling into one folder on the cluster's file system is slow and racy). Each
     keeps a value the node's shell already has; the path is the node's own after the checkout."""
-    fixed = {**REAL_ENV, **LAUNCH_ENV}
+    fixed = {**REAL_ENV, **launch_env(max_restarts)}
     if any(shlex.quote(v) != v for v in fixed.values()):  # written unquoted inside ${X:-v}
         raise ValueError(f"a launch setting is not a plain shell word: {fixed}")
     return [
@@ -83,7 +90,7 @@ def node_env_assignments() -> list[str]:
     ]
 
 
-def sbatch_env_lines(nproc: int) -> list[str]:
+def sbatch_env_lines(nproc: int, max_restarts: int = 0) -> list[str]:
     """The sbatch script's environment, each variable overridable by the submitting shell: CPU
     threads per rank from the node's cores, then what every real launch sets (node_env_assignments)."""
     return [
@@ -100,5 +107,5 @@ def sbatch_env_lines(nproc: int) -> list[str]:
         # OMP threads per rank: the node's cores over the ranks, at least 1.
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cpus_per_node / {nproc} > 0 ? "
         f"cpus_per_node / {nproc} : 1 ))}}",
-        *(f"export {assignment}" for assignment in node_env_assignments()),
+        *(f"export {assignment}" for assignment in node_env_assignments(max_restarts)),
     ]

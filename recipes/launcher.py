@@ -19,7 +19,7 @@ from pathlib import Path
 
 from core.config import JobConfig
 from core.fileio import atomic_write_json
-from recipes.cluster_env import LAUNCH_ENV
+from recipes.cluster_env import launch_env
 from recipes.output import stream
 from recipes.paths import project_root
 
@@ -86,16 +86,16 @@ def trainer_target(config_path: Path | str | None = None, overrides: list[str] |
 
 
 # ------------------------------------------------------------------------------ launching
-def base_env(defaults: dict[str, str] | None = None, **set_vars: str) -> dict[str, str]:
+def base_env(defaults: dict[str, str] | None = None, max_restarts: int = 0, **set_vars: str) -> dict[str, str]:
     """The environment of every torchrun this project starts: this one, the checkout on the
-    path, recipes/cluster_env.py LAUNCH_ENV (the multi-node launches set the same list), the
+    path, recipes/cluster_env.py launch_env (the multi-node launches set the same list), the
     checkout's persistent inductor cache unless one is set. `defaults`: a mode's own settings,
     where the caller's environment has none; `set_vars` are set as given (e.g.
     OMP_NUM_THREADS="1" where a test compares against an in-process reference)."""
     env = dict(os.environ)
     root = str(project_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for key, value in {**LAUNCH_ENV, **(defaults or {})}.items():  # a mode's own first
+    for key, value in {**launch_env(max_restarts), **(defaults or {})}.items():  # a mode's own first
         env.setdefault(key, value)
     # set from the start: torch's first cache lookup (at some imports) would fix its own default
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())

@@ -43,7 +43,7 @@ def multinode_command(
         max_restarts=max_restarts,
         exe="torchrun",
     )
-    return " ".join([*node_env_assignments(), *cmd])
+    return " ".join([*node_env_assignments(max_restarts), *cmd])
 
 
 SRUN_WAIT_S = 60  # seconds srun waits for the other tasks after the first one ends
@@ -122,7 +122,7 @@ def sbatch_script(
         f"cd {q(str(project_root()))}",
         *python_env_lines(),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        *sbatch_env_lines(nproc),
+        *sbatch_env_lines(nproc, max_restarts),
         f"export {RUN_LOCK_ENV}=1  # rank 0 owns the run folder while the job runs",
         # one task per node runs torchrun and its ranks: give it every core of the node (srun does
         # not inherit sbatch's CPU count); $numa_flag stays unquoted: empty, it is no argument.

@@ -30,6 +30,7 @@ from core.models.args import model_args
 from core.models.llama3 import ModelArgs, Transformer
 from core.train import run
 from core.validate import validate
+from recipes import launcher
 from recipes.modes import PROXY, RealMode
 from recipes.studies.checkpoint_bench import COLUMNS, run_checkpoint_bench
 from tests.dist_utils import ROOT, TINY_JOB, dist_env, max_abs_diff, torchrun_command
@@ -343,7 +344,10 @@ def _children_of(pid: int) -> set[int]:
 def test_launcher_max_restarts_flag(tmp_path):
     assert "--max-restarts=1" in RealMode().command(2, [tmp_path / "job.json"], max_restarts=1)
     assert not any(a.startswith("--max-restarts") for a in RealMode().command(2, [tmp_path / "job.json"]))
-    assert PROXY.env(2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    # restarts need ranks on a store of their own (pytorch#135712); without, the rendezvous' store
+    # serves them and rank 0 binds no port another process could take first
+    assert PROXY.env(2, max_restarts=1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launcher.base_env()
 
 
 @pytest.mark.slow
@@ -370,7 +374,8 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
     )
     out = tmp_path / "killed"
     with open(tmp_path / "log.txt", "w") as log:
-        agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        env = PROXY.env(2, max_restarts=1, OMP_NUM_THREADS="1")
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             pid_file = out / "debug" / "pid_rank_1"
             deadline = time.time() + 600

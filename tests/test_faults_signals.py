@@ -196,18 +196,44 @@ def test_sigint_is_heard_even_when_inherited_ignored():
     assert proc.returncode == 128 + signal.SIGINT
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (Linux: SigCgt of /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+def _wait_for_start_up_handlers(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until the launcher's first lines have run (recipes/entry.py: SIGINT's handler, then
+    SIGTERM's). Before them a SIGINT inherited ignored (a CI started in the background) is
+    dropped by the kernel: no program hears a signal before its code runs."""
+    t0 = time.monotonic()
+    while not _catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() - t0 < timeout, "the launcher never started"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig,moment", [(signal.SIGINT, "start-up"), (signal.SIGTERM, "first step"), (signal.SIGINT, "a save")]
 )
 def test_every_signal_stops_the_run_at_any_moment(tmp_path, sig, moment):
-    """Before the ranks exist (imports), while the first step compiles, in the middle of saves
-    (eager: a compile would only delay step 5)."""
+    """Before the ranks exist (the CLI's imports), while the first step compiles, in the middle of
+    saves (eager: a compile would only delay step 5)."""
     out = tmp_path / "run"
     compiled = ["compile.enabled=true"] if moment == "first step" else []
     proc = _run_recipe(out, *KILL_RUN, *compiled, "training.steps=400")
+    try:
+        _signal_at(proc, out, sig, moment)
+    finally:
+        if proc.poll() is None:  # a failed check leaves no run behind (it dies with its launcher)
+            proc.kill()
+            proc.wait()
+
+
+def _signal_at(proc: subprocess.Popen, out: Path, sig: signal.Signals, moment: str) -> None:
     if moment == "start-up":
-        time.sleep(1.0)
+        _wait_for_start_up_handlers(proc)
     elif moment == "first step":  # the agent and both ranks are up, the ranks compiling
         t0 = time.monotonic()
         while len(_processes_of(out)) < 3 and time.monotonic() - t0 < 120:

@@ -71,7 +71,7 @@ def _node_env() -> dict[str, str]:
     return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "TMPDIR": "/local", "USER": "u"}
 
 
-def _run_sbatch_job(tmp_path: Path, monkeypatch) -> tuple[Path, Path, list[str], dict[str, str]]:
+def _run_sbatch_job(tmp_path: Path, monkeypatch, *args: str) -> tuple[Path, Path, list[str], dict[str, str]]:
     """`run-recipe run --slurm` into a folder named WEIRD, with this Python environment at a WEIRD
     path too; then the script run by bash as SLURM would on its first node, with stubs for
     scontrol, srun (which records its arguments and environment), python and torchrun.
@@ -94,7 +94,9 @@ def _run_sbatch_job(tmp_path: Path, monkeypatch) -> tuple[Path, Path, list[str],
         _no_spawn(m)
         m.setattr(sys, "executable", str(python))
         m.setattr(sys, "prefix", str(venv))
-        res = invoke("run", MULTI, "--mode", "real", "--slurm", "--out", str(run_dir), "--records-dir", str(records))
+        res = invoke(
+            "run", MULTI, "--mode", "real", "--slurm", "--out", str(run_dir), "--records-dir", str(records), *args
+        )
     assert res.exit_code == 0, res.output
     script = run_dir / "sbatch.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -141,30 +143,34 @@ def _launch_sets(env: dict[str, str], base: dict[str, str]) -> dict[str, str]:
 def test_every_multinode_launch_sets_the_environment_of_a_local_one(tmp_path, monkeypatch):
     """A local real launch (recipes/launcher.py base_env + RealMode's own), the printed per-node
     command and the sbatch script set the same variables to the same values on a fresh node, the
-    restarts' TORCH_DISABLE_SHARE_RDZV_TCP_STORE included; the sbatch script adds only what is its
-    own by design (OMP threads from the node's cores, the run folder's lock)."""
+    restarts' TORCH_DISABLE_SHARE_RDZV_TCP_STORE where restarts are asked; the sbatch script adds
+    only what is its own by design (OMP threads from the node's cores, the run folder's lock)."""
     node = _node_env()
-    for key in ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR", *cluster_env.LAUNCH_ENV):
+    for key in ("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", *cluster_env.launch_env(max_restarts=1)):
         monkeypatch.delenv(key, raising=False)
     for key in cluster_env.REAL_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TMPDIR", node["TMPDIR"])
     monkeypatch.setenv("USER", node["USER"])
-    local = _launch_sets(modes.RealMode().env(8), dict(os.environ))
+    local = _launch_sets(modes.RealMode().env(8, max_restarts=2), dict(os.environ))
     assert local["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and local["PYTHONUNBUFFERED"] == "1"
-    assert {**cluster_env.LAUNCH_ENV, **cluster_env.real_env_defaults()}.items() <= local.items()
+    assert {**cluster_env.launch_env(2), **cluster_env.real_env_defaults()}.items() <= local.items()
 
-    with pytest.MonkeyPatch.context() as m:
-        _no_spawn(m)
-        res = invoke("run", MULTI, "--mode", "real", "--out", str(tmp_path / "printed"))
-    printed = next(line.strip() for line in res.output.splitlines() if " torchrun --nnodes" in line)
-    prefix = printed.split(" torchrun ", 1)[0]
-    out = subprocess.run(["bash", "-c", f"{prefix} env -0"], env=node, capture_output=True, text=True, check=True)
-    got = dict(e.split("=", 1) for e in out.stdout.split("\0") if "=" in e)
-    assert _launch_sets(got, node) == local
+    def printed_sets(restarts: str) -> dict[str, str]:
+        with pytest.MonkeyPatch.context() as m:
+            _no_spawn(m)
+            res = invoke("run", MULTI, "--mode", "real", "--out", str(tmp_path / restarts), "--max-restarts", restarts)
+        printed = next(line.strip() for line in res.output.splitlines() if " torchrun --nnodes" in line)
+        prefix = printed.split(" torchrun ", 1)[0]
+        out = subprocess.run(["bash", "-c", f"{prefix} env -0"], env=node, capture_output=True, text=True, check=True)
+        return _launch_sets(dict(e.split("=", 1) for e in out.stdout.split("\0") if "=" in e), node)
+
+    assert printed_sets("2") == local
+    without = _launch_sets(modes.RealMode().env(8), dict(os.environ))
+    assert printed_sets("0") == without == {k: v for k, v in local.items() if k not in cluster_env.RESTART_ENV}
 
     (tmp_path / "sbatch").mkdir()
-    _, _, _, srun_env = _run_sbatch_job(tmp_path / "sbatch", monkeypatch)
+    _, _, _, srun_env = _run_sbatch_job(tmp_path / "sbatch", monkeypatch, "--max-restarts", "2")
     sbatch = _launch_sets(srun_env, {**node, "PATH": srun_env["PATH"]})
     own = {"OMP_NUM_THREADS": "2", "TITAN_RUN_LOCK": "1"}  # 16 cores / 8 ranks; rank 0 takes the lock
     assert {k: sbatch.pop(k) for k in own} == own
