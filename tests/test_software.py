@@ -104,3 +104,26 @@ def test_torchtitans_chunked_loss_holds_one_chunk_of_logits():
     assert parts["logits"] == whole["logits"] / 8
     assert parts["loss_bwd_work"] == whole["loss_bwd_work"] / 8 + 4 * s.tokens * s.d
     assert parts["saved"] < whole["saved"] and chunked(whole, 0, s) == whole
+
+
+def test_plan_sizes_and_predicts_for_the_software_asked():
+    """`plan` names the software its estimates and predictions speak for (text and JSON), and
+    --software sizes for another: torchtitan of Oct 2024 keeps FSDP's root gathered (torch before
+    2.8), so the same layout needs more memory; a bad one is refused before any estimate."""
+    from recipes.cli import main
+
+    args = ["plan", "--model", "8B", "--gpus", "8", "--local-batch", "1", "--no-compile", "--gpu-mem", "95"]
+
+    def fsdp8(*extra: str) -> dict:
+        res = CliRunner().invoke(main, [*args, "--json", *extra], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return next(c for c in json.loads(res.output) if c["layout"] == "FSDP 8" and c["ac"] == "none")
+
+    ours, theirs = fsdp8(), fsdp8("--software", "date=2024-10-01")
+    assert ours["software"] == S.PINNED.text() and theirs["software"].startswith("torchtitan of 2024-10-01")
+    assert theirs["estimate_gib"] > ours["estimate_gib"] + 1.0  # the gathered root: embedding and output
+    assert theirs["tokens_per_sec_per_gpu"] != ours["tokens_per_sec_per_gpu"]
+    text = CliRunner().invoke(main, [*args, "--top", "1", "--software", "date=2024-10-01"]).output
+    assert "Software: the predictions speak for torchtitan of 2024-10-01" in text
+    bad = CliRunner().invoke(main, [*args, "--software", "date=2024-10,gpu=h100"])
+    assert bad.exit_code == 2 and "--software" in bad.output and "gpu=h100" in bad.output

@@ -35,6 +35,7 @@ from recipes.plan.report import days_text, rate_json, rate_text
 
 if TYPE_CHECKING:  # type names only
     from core.dryrun.gpuspec import GPUSpec
+    from core.dryrun.software import Software
     from recipes.plan.candidate import Candidate
 
 MAX_GPUS = 16384
@@ -97,6 +98,7 @@ class Setup:
     compile_: bool
     float8: bool
     spec: GPUSpec
+    software: Software | None = None  # what the predictions speak for (None: this trainer, pinned)
 
 
 @dataclass
@@ -227,6 +229,13 @@ def _band(gpu: str) -> tuple[str, float | None]:
     return accuracy.text(gpu=gpu), (own if own is not None else b["mean_abs_error_pct"] / 100 if b else None)
 
 
+def software_of(setup: Setup) -> Software:
+    """The software a plan's predictions speak for: --software's, else this trainer's pinned."""
+    from core.dryrun.software import PINNED
+
+    return setup.software or PINNED
+
+
 def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
     out: dict = {
         "model": setup.model,
@@ -239,6 +248,7 @@ def answer_json(setup: Setup, a: Answer, took_s: float) -> dict:
         "why_not": a.why_not or None,
         "searched": [{"gpus": r.gpus, "fits": r.best is not None, "days": r.days} for r in a.tried],
         "error_band": _band(setup.spec.name)[0],
+        "software": software_of(setup).text(),
         "search_s": round(took_s, 2),
     }
     if a.found is not None and a.found.best is not None and a.found.days is not None:
@@ -287,6 +297,7 @@ def budget_command(
         f"({setup.gpus_per_node} per node), seq {setup.seq}; searched in {took:.1f} s."
     )
     click.echo(f"Memory per GPU: {memory or f'{setup.gpu_mem:g} GiB'}")
+    click.echo(f"Software: the predictions speak for {software_of(setup).text()}")
     for r in a.tried:
         what = (
             f"{r.best.layout()}, {days_text(r.days, days)} days"

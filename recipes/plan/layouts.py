@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING
 import click
 
 from core.dryrun.gpuspec import DEFAULT_GPU
-from recipes.plan.budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup
+from recipes.options import text_option
+from recipes.plan.budget import DAYS, SECONDS_PER_DAY, TOKENS, Setup, software_of
 from recipes.plan.candidate import Candidate
 from recipes.plan.report import against_the_paper, days_text, ranked_json, ranked_table, rate_text
 
 if TYPE_CHECKING:  # type names only: the spec module is loaded when a plan runs
     from core.dryrun.gpuspec import GPUSpec
+    from core.dryrun.software import Software
+    from core.dryrun.stack import Stack
 
 DEFAULT_GPU_MEM = 80.0  # GiB per GPU without --gpu or --gpu-mem
 FSDP_MAX_GROUP = 128
@@ -110,14 +113,16 @@ def _cheapest_ac(
     gpu_mem: float,
     compile_,
     float8,
-    fits_only: bool = False,
-    gpu_name: str = DEFAULT_GPU,
+    fits_only: bool,
+    gpu_name: str,
+    stack: Stack,
 ):
     """The layout with the cheapest AC mode that fits (or full AC when none does); None when the
     layout itself is invalid (or, `fits_only`, when even full AC does not fit: tried first then,
     as it needs the least memory). Fits: the estimate plus the memory accounting's band for its
     kind on `gpu_name` (core/dryrun/accuracy.py memory_band) is within `gpu_mem`; one that fits
-    only without its band is refused and marked near_limit."""
+    only without its band is refused and marked near_limit. `stack`: what the software that runs
+    it does differently (core/dryrun/stack.py)."""
     from core.config import ConfigError
     from core.dryrun import accuracy
     from core.dryrun.memory import allocator_gap, estimate_memory
@@ -129,7 +134,7 @@ def _cheapest_ac(
             validate(cfg, check_files=False)
         except ConfigError:
             return None  # the layout itself is invalid: no AC mode helps
-        est = estimate_memory(cfg, gpu_gib=gpu_mem)
+        est = estimate_memory(cfg, gpu_gib=gpu_mem, stack=stack)
         # Uncapped: a plan needs the allocator's usual slack, not its retry path.
         need = est["allocated_peak_gib"] + allocator_gap(est["allocated_peak_gib"])
         mae = accuracy.memory_band(accuracy.kind_of(cfg, gpu_name))["mae"]
@@ -153,7 +158,7 @@ def _cheapest_ac(
     return full or best
 
 
-def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None) -> list[Candidate]:
+def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None, stack: Stack) -> list[Candidate]:
     """Rank the candidates by predicted tokens/s per GPU; the guidance still outranks speed.
     Each carries its band, the model's error over public figures of its kind (core/dryrun/
     accuracy.py): predictions within their band of the fastest are a tie the model cannot
@@ -167,7 +172,7 @@ def _by_speed(ranked: list[Candidate], gpu: str | GPUSpec | None) -> list[Candid
     spec = gpu if isinstance(gpu, GPUSpec) else load_spec(gpu or DEFAULT_GPU)
     judged = (accuracy.band() or {}).get("judged", [])
     for c in ranked:
-        c.predicted = predict(c.cfg, spec, memory=c.memory)
+        c.predicted = predict(c.cfg, spec, memory=c.memory, stack=stack)
         mae = accuracy.kind_band(accuracy.kind_of(c.cfg, spec.name), judged)["mae"] if judged else None
         c.band = mae / 100 if mae is not None else None
     # The guidance still outranks speed: a layout against it (e.g. CP at short sequences) comes after.
@@ -196,6 +201,7 @@ def candidates(
     by_speed: bool = False,
     gpu: str | GPUSpec | None = None,
     best_only: bool = False,
+    software: Software | None = None,
 ) -> list[Candidate]:
     """Every valid (dp_shard, tp, pp, cp) layout of `gpus` GPUs with the cheapest AC that fits
     (or full AC when none does), ranked (best first). The batch: `local_batch` sequences per
@@ -203,9 +209,12 @@ def candidates(
     (one per stage with PP). by_speed: rank the ones that fit by predicted tokens/s per GPU on
     the GPU spec `gpu` (a name, or a loaded spec; default: the paper's), the rules breaking ties.
     best_only: only the layouts that fit and follow the guidance (with by_speed, the same first
-    one whenever there is one; empty when there is none)."""
+    one whenever there is one; empty when there is none). `software`: what the estimates and
+    predictions speak for (core/dryrun/software.py; None: this trainer at its pinned versions)."""
+    from core.dryrun.software import PINNED
     from core.models.llama3 import FLAVORS
 
+    stack = (software or PINNED).stack()
     gpu_name = _spec_name(gpu)
     out = []
     for dp, tp, pp, cp in _layouts(gpus, gpus_per_node, FLAVORS[model].n_layers):
@@ -214,14 +223,12 @@ def candidates(
         violations = _violations(degrees, seq, gpus_per_node)
         if lb is None or (best_only and violations):
             continue
-        best = _cheapest_ac(
-            model, seq, lb, degrees, gpus, gpu_mem, compile_, float8, fits_only=best_only, gpu_name=gpu_name
-        )
+        best = _cheapest_ac(model, seq, lb, degrees, gpus, gpu_mem, compile_, float8, best_only, gpu_name, stack)
         if best is not None and (best.fits or not best_only):
             best.violations = violations
             out.append(best)
     ranked = sorted(out, key=Candidate.key)
-    return _by_speed(ranked, gpu) if by_speed else ranked
+    return _by_speed(ranked, gpu, stack) if by_speed else ranked
 
 
 def _spec_name(gpu) -> str:
@@ -287,6 +294,13 @@ def _violations(d: dict, seq: int, gpus_per_node: int) -> list[str]:
 @click.option("--top", type=int, default=10, show_default=True, help="Candidates to print.")
 @click.option("--no-compile", is_flag=True, help="Estimate eager memory (default: per-block compile).")
 @click.option("--float8", is_flag=True, help="Float8 linears with float8 FSDP all-gather.")
+@text_option(
+    "--software",
+    "KEY=VALUE,...",
+    "The software the estimates and predictions speak for, e.g. date=2025-03,torch=2.7.0 (a torchtitan stack; "
+    "default: this trainer at the pinned versions). Keys: date, trainer, torch, torchao, torchtitan, cuda, "
+    "rocm, cudnn, nccl.",
+)
 def plan(
     model,
     gpus,
@@ -302,6 +316,7 @@ def plan(
     top,
     no_compile,
     float8,
+    software,
 ):
     """Propose FSDP/TP/PP/CP degrees for MODEL on GPUS GPUs: the layouts that fit (dry-run memory
     estimate) ranked by predicted tokens/s per GPU (dry-run performance model). Without --gpus,
@@ -315,11 +330,12 @@ def plan(
     except SpecError as e:
         raise click.BadParameter(str(e), param_hint="--gpu") from None
     gpu_mem, memory = gpu_memory(gpu_mem, gpu, spec)
+    software = _software(software)
     _check_plan_inputs(model, gpus, seq, gpu_mem, local_batch, global_batch)
     _check_plan_options(model, gpus, tokens, days, as_json, global_batch, gpus_per_node, top)
     if local_batch and global_batch:
         raise click.BadParameter("give --local-batch or --global-batch, not both")
-    setup = Setup(model, seq, gpu_mem, local_batch, global_batch, gpus_per_node, not no_compile, float8, spec)
+    setup = Setup(model, seq, gpu_mem, local_batch, global_batch, gpus_per_node, not no_compile, float8, spec, software)
     if gpus is None:
         from recipes.plan.budget import budget_command
 
@@ -339,11 +355,12 @@ def plan(
         global_batch,
         by_speed=True,
         gpu=spec,
+        software=software,
     )
     if not ranked:
         raise click.ClickException("no valid layout (degrees must divide the GPUs and the model's heads)")
     if as_json:
-        click.echo(ranked_json(ranked, spec.name))
+        click.echo(ranked_json(ranked, spec.name, software_of(setup).text()))
         return
     click.echo(
         f"Llama 3.1 {model} on {gpus} GPUs ({gpus_per_node} per node), seq {seq}; estimated peak "
@@ -351,6 +368,7 @@ def plan(
         f"(core.dryrun.runtime), error band {band_text(gpu=spec.name)}; ranked by speed among those that fit."
     )
     click.echo(f"Memory per GPU: {memory}")
+    click.echo(f"Software: the predictions speak for {software_of(setup).text()}")
     click.echo(ranked_table(ranked[:top], gpu_mem))
     best = ranked[0]
     click.echo(
@@ -363,6 +381,18 @@ def plan(
         click.echo(f"{tokens:.3g} tokens at {rate_text(best.tps * gpus)} tokens/s: {in_days} days predicted")
     for line in against_the_paper(ranked, model, gpus, seq):
         click.echo(line)
+
+
+def _software(text: str | None) -> Software | None:
+    """--software's stack (core/dryrun/software.py parse); a bad one is refused before any estimate."""
+    from core.dryrun.software import parse
+
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--software") from None
 
 
 def gpu_memory(gpu_mem: float | None, gpu: str | None, spec: GPUSpec) -> tuple[float, str]:
@@ -395,6 +425,7 @@ def best_at(setup: Setup, gpus: int) -> Candidate | None:
         by_speed=True,
         gpu=s.spec,
         best_only=True,
+        software=s.software,
     )
     return ranked[0] if ranked else None
 

@@ -25,7 +25,7 @@ def paper_layouts(model: str, gpus: int, seq: int) -> list:
     return rows
 
 
-def ranked_json(ranked: list[Candidate], gpu: str) -> str:
+def ranked_json(ranked: list[Candidate], gpu: str, software: str) -> str:
     import json
 
     return json.dumps(
@@ -42,6 +42,7 @@ def ranked_json(ranked: list[Candidate], gpu: str) -> str:
                 "within_memory_band_of_limit": c.near_limit,
                 "violations": c.violations,
                 "gpu": gpu,
+                "software": software,
                 "tokens_per_sec_per_gpu": rate_json(c.tps),
                 "step_time_s": round(c.predicted["step_time_s"], 4),
                 "mfu": round(c.predicted["mfu"], 4),
