@@ -34,6 +34,15 @@ def test_this_trainer_is_the_pinned_stack():
         (S.Software("2025-10-26"), "cudnn_attention", True),
         (S.Software("2025-10-26"), "sac_recomputes_attention", True),
         (S.Software("2025-12-02"), "sac_recomputes_attention", False),
+        # SDPA's own choice again where its cuDNN passes 9.15.0: the torch 2.11 wheels (this
+        # trainer asks SDPA for no backend; torchtitan forced flash on H100 from 2025-05-14)
+        (S.Software("2026-11-27", trainer="titan-recipes", torch="2.11.0+cu130"), "cudnn_attention", True),
+        (S.Software("2026-02", trainer="titan-recipes", torch="2.10.0"), "cudnn_attention", False),
+        (S.Software("2026-02", trainer="titan-recipes", torch="2.10.0", cudnn="9.15.1"), "cudnn_attention", True),
+        (S.Software("2026-05", trainer="titan-recipes", torch="2.11.0", cudnn="9.10.2"), "cudnn_attention", False),
+        (S.Software("2026-04", trainer="titan-recipes"), "cudnn_attention", True),  # 2.11.0, its date's release
+        (S.Software("2025-08-11", torch="2.11.0"), "cudnn_attention", False),
+        (S.Software("2026-11-27", trainer="titan-recipes", torch="2.11.0+cu130"), "sac_recomputes_attention", False),
         # FSDP2 kept the root gathered before torch 2.8 (pytorch PR 154704, June 2025)
         (S.Software("2025-03", torch="2.7.0a0+gitb98af95"), "root_kept_gathered", True),
         (S.Software("2025-06", torch="2.8.0a0+5228986c39"), "root_kept_gathered", False),

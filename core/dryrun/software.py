@@ -67,9 +67,9 @@ class Software:
 
     def stack(self) -> Stack:
         """What this software does differently from this project's trainer, rule by rule."""
-        if self.trainer == THIS_TRAINER_NAME:
-            return Stack()
         cudnn = _cudnn_attention(self)
+        if self.trainer == THIS_TRAINER_NAME:  # its SAC saves cuDNN attention's output
+            return Stack(cudnn_attention=cudnn)
         return Stack(
             sac_saves_abs=self.date < "2025-02-06",
             root_kept_gathered=not _torch_since(self, (2, 8), "2025-06"),
@@ -93,6 +93,8 @@ RELEASES = (
     ("2.7.0", "2025-04-23"),
     ("2.8.0", "2025-08-06"),
     ("2.9.0", "2025-10-15"),
+    ("2.10.0", "2026-01-21"),  # its release notes' date (reported by the press the next days)
+    ("2.11.0", "2026-03-23"),  # "On March 23, version 2.11 was launched" (PyTorch's release blog)
 )
 
 
@@ -123,15 +125,29 @@ def _torch_since(sw: Software, release: tuple[int, int], merged: str) -> bool:
 
 
 def _cudnn_attention(sw: Software) -> bool:
-    """SDPA ran cuDNN's attention on Hopper (core/dryrun/stack.py `cudnn_attention`)."""
-    if sw.date >= "2025-10-09":  # torchtitan puts cuDNN first (PR 1776)
-        return True
-    if sw.date >= "2025-05-14":  # torchtitan forces flash first on H100
-        return False
+    """SDPA ran cuDNN's attention on Hopper (core/dryrun/stack.py `cudnn_attention`): this
+    trainer asks SDPA for no backend (core/models/llama3.py), torchtitan chose one for a while."""
+    if sw.trainer != THIS_TRAINER_NAME:
+        if sw.date >= "2025-10-09":  # torchtitan puts cuDNN first (PR 1776)
+            return True
+        if sw.date >= "2025-05-14":  # torchtitan forces flash first on H100
+            return False
+    return _sdpa_prefers_cudnn(sw)
+
+
+def _sdpa_prefers_cudnn(sw: Software) -> bool:
+    """SDPA's own choice on Hopper: cuDNN in torch 2.5.0 and the nightlies of 2024-07-24 to 10-22
+    (pytorch PR 128888 until PR 138522), and again where the cuDNN torch loads is newer than 9.15.0
+    (sdp_utils.cpp `check_prefer_cudnn_attention`, in torch 2.10: the 2.11 wheels are the first
+    whose bundled cuDNN passes it, huggingface/transformers PR 48163's closing comment). A nightly
+    or source build is judged by its date: from the 2.11 release, the cuDNN bump's date unknown."""
     rel = _release(sw)
+    if sw.cudnn and (rel or (0, 0)) >= (2, 10):
+        return tuple(int(x) for x in re.findall(r"\d+", sw.cudnn)[:3]) > (9, 15, 0)
     if rel:
-        return _torch(sw).startswith("2.5.0")
-    return "2024-07-24" <= _build_date(sw) < "2024-10-22"
+        return _torch(sw).startswith("2.5.0") or rel >= (2, 11)
+    build = _build_date(sw)
+    return "2024-07-24" <= build < "2024-10-22" or build >= "2026-03-23"
 
 
 # This project's trainer, at the versions it pins (core/versions.py).

@@ -40,8 +40,9 @@ class Stack:
     fused_rms_norm: bool = False
     # SDPA runs cuDNN's attention on Hopper: torch's default there from pytorch/pytorch PR 128888
     # (nightlies from July 2024, torch 2.5.0) until PR 138522 made it opt-in (2024-10-22, torch
-    # 2.5.1); torchtitan forced flash attention first on H100 from 2025-05-14 (3b85aa31f) and put
-    # cuDNN first on every GPU from PR 1776 (2025-10-09).
+    # 2.5.1), and again from torch 2.11 (its bundled cuDNN passes 9.15.0: core/dryrun/software.py);
+    # torchtitan forced flash attention first on H100 from 2025-05-14 (3b85aa31f) and put cuDNN
+    # first on every GPU from PR 1776 (2025-10-09).
     cudnn_attention: bool = False
     # Selective op AC does not save cuDNN attention's output (the save list names only the flash
     # and efficient kernels), so its forward runs again in backward: torchtitan until PR 2095
@@ -54,7 +55,9 @@ class Stack:
     loss_chunks: int = 0
 
 
-THIS_TRAINER = Stack()
+# This trainer at its pinned torch (core/versions.py, 2.13): SDPA picks cuDNN's attention on
+# Hopper and Blackwell (core/dryrun/software.py `_sdpa_prefers_cudnn`); the rest is its own.
+THIS_TRAINER = Stack(cudnn_attention=True)
 
 
 def stack_of(table: dict) -> Stack:

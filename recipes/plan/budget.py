@@ -296,8 +296,8 @@ def budget_command(
         f"Llama 3.1 {setup.model}, {tokens:.4g} tokens in at most {days:g} days on {setup.spec.name} "
         f"({setup.gpus_per_node} per node), seq {setup.seq}; searched in {took:.1f} s."
     )
-    click.echo(f"Memory per GPU: {memory or f'{setup.gpu_mem:g} GiB'}")
     click.echo(f"Software: the predictions speak for {software_of(setup).text()}")
+    click.echo(f"Memory per GPU: {memory or f'{setup.gpu_mem:g} GiB'}")
     for r in a.tried:
         what = (
             f"{r.best.layout()}, {days_text(r.days, days)} days"

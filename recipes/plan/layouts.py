@@ -367,8 +367,8 @@ def plan(
         f"reserved per GPU (core.dryrun.memory), predicted tokens/s per GPU on {spec.name} "
         f"(core.dryrun.runtime), error band {band_text(gpu=spec.name)}; ranked by speed among those that fit."
     )
-    click.echo(f"Memory per GPU: {memory}")
     click.echo(f"Software: the predictions speak for {software_of(setup).text()}")
+    click.echo(f"Memory per GPU: {memory}")
     click.echo(ranked_table(ranked[:top], gpu_mem))
     best = ranked[0]
     click.echo(

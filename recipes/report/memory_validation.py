@@ -86,8 +86,9 @@ ISSUE_52_GOAL = {"mae": 7.0, "worst": 15.0, "tp": 5, "pp": 3}
 
 
 def unlisted_by_issue_52(ok: list) -> dict:
-    """The error over the judged readings issue 52 does not name, and how many have TP and PP."""
-    figs = [f for f in ok if not f.designed_for.startswith("issue 52")]
+    """The error over the judged readings issue 52 does not name, and how many have TP and PP (a
+    figure whose throughput an issue-52 mechanism was designed against keeps a held-out reading)."""
+    figs = [f for f in ok if not f.designed_for.startswith("issue 52") or role(f) == "held_out"]
     return {
         **errors(figs, error),
         "tp": sum(f.cfg.parallelism.tp > 1 for f in figs),
