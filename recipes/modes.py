@@ -179,7 +179,7 @@ class ProxyMode(RowMode):
             # its C++ kernels build on every core (TP 2 x DP 2 cold first step: 27.4 s -> 23.4 s)
             env["TORCHINDUCTOR_COMPILE_THREADS"] = str(launcher.usable_cpus())
         # proxies run on CPU + gloo, whatever the node has
-        return launcher.base_env(env, max_restarts, **{"CUDA_VISIBLE_DEVICES": "", **set_vars})
+        return launcher.base_env(defaults=env, max_restarts=max_restarts, **{"CUDA_VISIBLE_DEVICES": "", **set_vars})
 
     def shares_launch(self) -> bool:
         return not self.options.max_restarts  # a restart resumes one job
@@ -255,7 +255,7 @@ class RealMode(RowMode):
     def env(self, world: int, max_restarts: int = 0, **set_vars: str) -> dict[str, str]:
         # one list with the sbatch script's and the per-node command's: a node-local compile cache (the
         # checkout is often on a shared file system), the allocator's settings
-        return launcher.base_env(real_env_defaults(), max_restarts, **set_vars)
+        return launcher.base_env(defaults=real_env_defaults(), max_restarts=max_restarts, **set_vars)
 
     def run_elsewhere(self, row: Row) -> bool:
         if not (self.options.slurm or row.nnodes > 1):
@@ -378,7 +378,7 @@ def _launch(rows: list[Row], mode: RowMode) -> tuple[int, float]:
         click.echo("$ " + shlex.join(cmd))
     logs = {r.cfg.job.output_dir: r.run_dir / "train.log" for r in rows} if len(rows) > 1 else None
     started = time.time()
-    env = mode.env(rows[0].world, mode.options.max_restarts)
+    env = mode.env(rows[0].world, max_restarts=mode.options.max_restarts)
     rc = stream(cmd, env, rows[0].run_dir / "train.log", job_logs=logs, verbose=mode.options.verbose)
     return rc, started
 
@@ -493,7 +493,7 @@ def launch_trainer(
     cmd = launcher.torchrun_command(world, target, max_restarts=max_restarts, forked=mode.forks_ranks)
     log = out_dir / "train.log"
     with run_folder.lock(out_dir):
-        rc = launcher.run_logged(cmd, mode.env(world, max_restarts, **(env or {})), log, echo)
+        rc = launcher.run_logged(cmd, mode.env(world, max_restarts=max_restarts, **(env or {})), log, echo)
     result = out_dir / "result.json"
     if rc != 0 or not result.is_file():
         raise RuntimeError(f"trainer failed (exit {rc}) at world {world}; log {log}:\n{launcher.log_tail(log)}")

@@ -181,7 +181,7 @@ def run_init_check(
     log = out.with_suffix(".log")
     rc = launcher.run_logged(
         launcher.torchrun_command(world, target, forked=mode == "proxy"),
-        modes.MODES[mode]().env(world, 0, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
+        modes.MODES[mode]().env(world, max_restarts=0, **({"OMP_NUM_THREADS": "1"} if mode == "proxy" else {})),
         log,
         timeout=timeout,
     )
@@ -222,7 +222,7 @@ class Preflight:
         out = self.out / name
         out.mkdir(parents=True, exist_ok=True)
         target = launcher.trainer_target(None, [*overrides, f"--job.output_dir={out}", f"--job.mode={self.mode}"])
-        env = modes.MODES[self.mode]().env(world, 0, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
+        env = modes.MODES[self.mode]().env(world, max_restarts=0, **({} if self.real else {"OMP_NUM_THREADS": "1"}))
         t0 = time.perf_counter()
         cmd = launcher.torchrun_command(world, target, forked=not self.real)
         rc = launcher.run_logged(cmd, env, out / "train.log", timeout=timeout)
