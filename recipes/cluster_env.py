@@ -17,9 +17,11 @@ CUDA_ALLOC_CONF = "expandable_segments:True"
 LAUNCH_ENV = {"PYTHONUNBUFFERED": "1"}  # the ranks' lines reach the log as they are printed
 # A launch with --max-restarts adds these. pytorch#135712: workers restarted by torchrun on the
 # rendezvous' shared TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh
-# failed"). Not for every launch: rank 0 then binds a port torchrun chose earlier, which another
-# process may take meanwhile (EADDRINUSE); a restarted group gets another try, a plain one none.
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# failed"). Not for every torchrun launch: rank 0 then binds a port torchrun chose earlier, which
+# another process may take meanwhile (EADDRINUSE); a restarted group gets another try, a plain one
+# none. Forked proxy launches set it always (recipes/forked_run.py says why).
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+RESTART_ENV = {UNSHARED_STORE_ENV: "1"}
 
 
 def launch_env(max_restarts: int = 0) -> dict[str, str]:

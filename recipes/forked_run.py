@@ -8,7 +8,8 @@ config, elastic agent, c10d rendezvous and restarts. One thing differs: each ran
 this process running `python -m MODULE args` (runpy), not a new interpreter. The ranks no
 longer import torch and the trainer one by one on a few cores: 2.5 s of CPU each. An 8-rank
 proxy launch measured 16-17.6 s under torchrun and 6.0-6.4 s here, with the same losses.
-Real runs keep torchrun: GPUs, and the workers of a real cluster, get fresh processes.
+Real runs keep torchrun: GPUs, and the workers of a real cluster, get fresh processes. The ranks'
+store is rank 0's own, never the agent's shared one (see main).
 
 MODULE is imported here, so its top level must only define things (its work under
 `if __name__ == "__main__"`). If it has `before_fork(args)`, that runs here too, to import what the
@@ -29,6 +30,7 @@ import uuid
 import warnings
 
 from core.process import die_with_parent, forget_rank_deaths
+from recipes.cluster_env import UNSHARED_STORE_ENV
 
 # torch elastic's agent turns these into a SignalException (its own shutdown path).
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import config_from_args, parse_args
 
     die_with_parent()  # a launcher killed outright takes its agent, and so its ranks, with it
+    # No shared rendezvous store here: its server is a thread of this process, busy with the first
+    # ranks while the next are forked, and a rank forked while that thread held a lock hung in its
+    # store client (16 ranks: 1 launch in 80 under load; 0 in 80 with rank 0's own store).
+    os.environ[UNSHARED_STORE_ENV] = "1"
     args = parse_args(argv)
     if not (args.module and args.standalone):
         sys.exit("recipes.forked_run: runs `--standalone ... -m MODULE` only (one node); use torchrun otherwise")

@@ -366,6 +366,26 @@ def test_a_forked_rank_collects_garbage_but_not_what_its_launcher_imported(tmp_p
     assert enabled == "True" and int(frozen) > 100_000, said  # torch alone is several 100,000 objects
 
 
+RANK_REPORTING_STORE = """
+import os
+if __name__ == "__main__":
+    print("rank store:", os.environ["TORCHELASTIC_USE_AGENT_STORE"], flush=True)
+"""
+
+
+def test_a_forked_launch_gives_its_ranks_rank_0s_store_never_the_agents(tmp_path):
+    """The agent's shared store is served by a thread of the process that forks the ranks, busy with
+    the first ranks while it forks the next; a rank forked meanwhile could hang in its store client.
+    A forked launch turns the sharing off, even where the caller's environment turns it on."""
+    (tmp_path / "rank_reporting_store.py").write_text(RANK_REPORTING_STORE)
+    env = {**launcher.base_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", cluster_env.UNSHARED_STORE_ENV: "0"}
+    cmd = launcher.torchrun_command(2, ["-m", "rank_reporting_store"], forked=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("rank store:")]
+    assert said == ["rank store: False"] * 2, proc.stdout[-2000:]
+
+
 def test_what_a_forked_launch_imports_first_starts_no_thread():
     """recipes/forked_run.py forks the ranks after core.train.before_fork imported what the jobs
     import lazily. Forking is only safe while the process has one thread: importing those modules
