@@ -31,6 +31,7 @@ import warnings
 
 from core.process import die_with_parent, forget_rank_deaths
 from recipes.cluster_env import UNSHARED_STORE_ENV
+from recipes.reserved_port import use_reserved_ports
 
 # torch elastic's agent turns these into a SignalException (its own shutdown path).
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     # ranks while the next are forked, and a rank forked while that thread held a lock hung in its
     # store client (16 ranks: 1 launch in 80 under load; 0 in 80 with rank 0's own store).
     os.environ[UNSHARED_STORE_ENV] = "1"
+    use_reserved_ports()  # so rank 0's port waits for it
     args = parse_args(argv)
     if not (args.module and args.standalone):
         sys.exit("recipes.forked_run: runs `--standalone ... -m MODULE` only (one node); use torchrun otherwise")
