@@ -18,8 +18,8 @@ LAUNCH_ENV = {"PYTHONUNBUFFERED": "1"}  # the ranks' lines reach the log as they
 # A launch with --max-restarts adds these. pytorch#135712: workers restarted by torchrun on the
 # rendezvous' shared TCPStore can read the previous attempt's addresses (gloo: "connectFullMesh
 # failed"). Not for every torchrun launch: rank 0 then binds a port torchrun chose earlier, which
-# another process may take meanwhile (EADDRINUSE); a restarted group gets another try, a plain one
-# none. Forked proxy launches set it always (recipes/forked_run.py says why).
+# another process may take meanwhile (EADDRINUSE; our agents reserve it, recipes/reserved_port.py,
+# a cluster's own torchrun does not). Forked proxy launches set it always (recipes/forked_run.py).
 UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_ENV = {UNSHARED_STORE_ENV: "1"}
 

@@ -313,9 +313,18 @@ class DryRunMode(RowMode):
                 "error: dry-run is not available in this build (core.dryrun is missing); use --mode proxy", EXIT_CANNOT
             )
 
+    def resolve(self, recipe: Recipe, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+        """--software's config (torchtitan's AdamW before PR 881: foreach) <- `--set`."""
+        if self.options.software is not None:
+            from core.dryrun.software import parse
+
+            overrides = parse(self.options.software).settings(overrides)
+        return super().resolve(recipe, overrides)
+
     def run_elsewhere(self, row: Row) -> bool:
         click.echo(self.banner(row))
         from core.dryrun.gemm import NoGemmRate
+        from core.dryrun.record import summary_lines
 
         try:
             launcher.run_dry(row.cfg, row.run_dir, self.options.gpu, software=self.options.software)
@@ -325,31 +334,10 @@ class DryRunMode(RowMode):
             raise RowRefused(f"error: {row.recipe.id}: {e}") from None
         result = row.run_dir / "result.json"
         dest = self.record(result, row.recipe, self.options.records)
-        for line in dry_run_summary(json.loads(result.read_text())):
+        for line in summary_lines(json.loads(result.read_text())):
             click.echo(f"  {line}")
         click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
         return True
-
-
-def dry_run_summary(record: dict) -> list[str]:
-    """What a dry-run answers, in the lines `run-recipe run --mode dry-run` ends with: memory per
-    rank and whether it fits, then the predicted throughput with its error band."""
-    fits = "fits" if record.get("fits_gpu") else "does NOT fit"
-    lines = [
-        f"memory: {record.get('estimated_peak_memory_gib', 0):.2f} GiB per rank at its peak (estimated reserved; "
-        f"allocated {record.get('allocated_peak_gib', 0):.2f}); the GPU holds "
-        f"{record.get('gpu_capacity_gib', 0):.0f} GiB: {fits}"
-    ]
-    p = record.get("predicted") or {}
-    if p.get("tokens_per_sec_per_gpu") is not None:
-        lines.append(
-            f"predicted on {p.get('gpu')}: {p['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, MFU {p.get('mfu', 0):.1%}, "
-            f"step {p.get('step_time_s', 0):.3f} s; error band {p.get('error_band', 'not known')}"
-        )
-    sw = record.get("software") or {}
-    if sw.get("text"):
-        lines.append(f"software: the prediction stands for {sw['text']} (core/dryrun/software.py; --software)")
-    return lines
 
 
 MODES: dict[str, type[RowMode]] = {m.name: m for m in (RealMode, ProxyMode, DryRunMode)}

@@ -10,6 +10,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
 from core.dryrun import adamw
 from core.dryrun.runtime import predict
+from core.dryrun.stack import config_settings
 from core.optim import ADAM_KERNELS
 from core.validate import validate
 from recipes import registry
@@ -64,6 +65,6 @@ def test_each_figure_runs_the_adamw_of_its_software():
     assert impl["paper/llama3_8b/table1/8gpu_fsdp"] == "foreach"
     assert impl["tt1287/8b-8-eager"] == "fused"
     assert impl["ours-h200/8b-8blocks-bf16-ac-none"] == "fused"
-    assert V.software_settings({"adamw_foreach": True}, ('optimizer.implementation="fused"',)) == [
+    assert config_settings({"adamw_foreach": True}, ('optimizer.implementation="fused"',)) == [
         'optimizer.implementation="fused"'
     ]

@@ -136,3 +136,63 @@ def test_plan_sizes_and_predicts_for_the_software_asked():
     assert "Software: the predictions speak for torchtitan of 2024-10-01" in text
     bad = CliRunner().invoke(main, [*args, "--software", "date=2024-10,gpu=h100"])
     assert bad.exit_code == 2 and "--software" in bad.output and "gpu=h100" in bad.output
+
+
+def test_a_dry_run_for_older_software_runs_its_config_defaults_unless_set():
+    """--software's config defaults come before --set's: torchtitan before PR 881 (2025-02-24) ran
+    foreach AdamW, as the validation models its figures; a `--set` of the kernel still wins. The
+    layouts `plan --software` sizes have the same default."""
+    from recipes import registry
+    from recipes.modes import DryRunMode, RunOptions
+
+    row = registry.get("llama3_8b/table1/8gpu_fsdp")
+
+    def kernel(software: str | None, *sets: str) -> str:
+        return DryRunMode(RunOptions(software=software)).resolve(row, sets).optimizer.implementation
+
+    assert kernel(None) == kernel("date=2025-03") == "fused"
+    assert kernel("date=2024-09") == "foreach"
+    assert kernel("date=2024-09", 'optimizer.implementation="for-loop"') == "for-loop"
+    from recipes.plan import layouts  # plan --software sizes each layout with the same defaults
+
+    def planned(stack) -> str:
+        degrees = {"dp_shard": 8, "tp": 1, "pp": 1, "cp": 1}
+        cfg = layouts._layout_config("8B", 8192, 1, degrees, 8, ("selective", "op"), False, False, stack)
+        return cfg.optimizer.implementation
+
+    assert planned(S.parse("date=2024-09").stack()) == "foreach" and planned(S.PINNED.stack()) == "fused"
+
+
+def test_the_tables_records_name_the_software_their_predictions_speak_for(tmp_path, monkeypatch):
+    """`dry-run-table --all --software S` makes each row's record as `run --mode dry-run --software
+    S` would (S's config defaults, S's stack), `--predict` keeps the record's own software, and a
+    table's notes name it; a bad S is refused before any dry-run."""
+    import pandas as pd
+
+    from recipes import paths, registry
+    from recipes.cli import main
+    from recipes.report import results
+
+    row = registry.get("llama3_8b/table1/8gpu_fsdp")
+    monkeypatch.setattr(registry, "all_recipes", lambda: [row])
+    monkeypatch.setattr(paths, "default_runs_dir", lambda: tmp_path / "runs")
+    records, out = tmp_path / "records", tmp_path / "out"
+    args = ["dry-run-table", "--records", str(records), "--out", str(out), "--no-fake"]
+    bad = CliRunner().invoke(main, [*args, "--all", "--software", "date=2024-09,gpu=h100"])
+    assert bad.exit_code == 2 and "gpu=h100" in bad.output and not records.exists()
+    res = CliRunner().invoke(main, [*args, "--all", "--software", "date=2024-09"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    path = records / "dry-run" / f"{row.fname}.json"
+    rec = json.loads(path.read_text())
+    assert rec["software"]["text"].startswith("torchtitan of 2024-09")
+    assert rec["config"]["optimizer"]["implementation"] == "foreach" and not rec["software"]["stack"]["cudnn_attention"]
+    before = rec["predicted"]["tokens_per_sec_per_gpu"]
+    rec["predicted"] = {}
+    path.write_text(json.dumps(rec))
+    assert CliRunner().invoke(main, [*args, "--predict"], catch_exceptions=False).exit_code == 0
+    rec = json.loads(path.read_text())
+    assert rec["predicted"]["tokens_per_sec_per_gpu"] == before  # for its own software
+    df = pd.DataFrame({"recipe": [row.id]})
+    assert results._software(df, {(row.id, "dry-run"): rec}) == rec["software"]["text"]
+    rec.pop("software")
+    assert "software not named" in results._software(df, {(row.id, "dry-run"): rec})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from core.dryrun.stack import Stack, stack_of
+from core.dryrun.stack import Stack, config_settings, stack_of
 from core.versions import PINNED as PINNED_VERSIONS
 
 FIELDS = ("date", "trainer", "torch", "torchao", "torchtitan", "cuda", "rocm", "cudnn", "nccl")
@@ -64,6 +64,10 @@ class Software:
 
     def record(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v} | {"stack": dataclasses.asdict(self.stack())}
+
+    def settings(self, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+        """A run's `--set` settings after those its config defaults differ by (stack.config_settings)."""
+        return config_settings(dataclasses.asdict(self.stack()), overrides)
 
     def stack(self) -> Stack:
         """What this software does differently from this project's trainer, rule by rule."""

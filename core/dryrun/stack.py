@@ -29,8 +29,8 @@ class Stack:
     loss_compiled: bool = False
     # torchtitan ran torch's default AdamW kernels, foreach on CUDA (PR 355's `optimizer.fused`
     # defaulted to false), until PR 881 (pytorch/torchtitan 6e4988550, 2025-02-24, "use Fused
-    # AdamW as default"). A config setting, so applied to the figure's config, unless the figure
-    # names its implementation (recipes/report/perf_validation.py `software_settings`).
+    # AdamW as default"). A config setting, so applied to the run's config unless the run names
+    # its implementation (`config_settings`).
     adamw_foreach: bool = False
     # Eager RMSNorm as one fused kernel: torch's nn.RMSNorm (torchtitan's norm from PR 985,
     # 2025-03-19) dispatches to aten::_fused_rms_norm on CUDA from pytorch/pytorch PR 153666 (in
@@ -67,3 +67,12 @@ def stack_of(table: dict) -> Stack:
     if unknown:
         raise ValueError(f"stack.{unknown[0]}: not a field of core/dryrun/stack.py Stack ({', '.join(sorted(known))})")
     return Stack(**table)
+
+
+def config_settings(stack: dict, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """A run's settings (`--set` form), after those in which the stack's software's defaults differ
+    from this trainer's: the AdamW kernels of torchtitan before PR 881, unless the run names one."""
+    names = {o.split("=", 1)[0] for o in overrides}
+    if stack.get("adamw_foreach") and "optimizer.implementation" not in names:
+        return ['optimizer.implementation="foreach"', *overrides]
+    return list(overrides)

@@ -25,6 +25,7 @@ CP), then the cheapest AC, the smallest PP / CP, the widest TP, the most headroo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -52,11 +53,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def base_config(model: str, seq: int, local_batch: int):
-    """The paper's shared setup (bf16 params, fp32 reduce, AdamW) for a model and sequence."""
-    from core.config import JobConfig
+def base_config(model: str, seq: int, local_batch: int, settings: list[str] | None = None):
+    """The paper's shared setup (bf16 params, fp32 reduce, AdamW) for a model and sequence, over
+    `settings` (`--set` form: a software's own defaults, core/dryrun/stack.py config_settings)."""
+    from core.config import load_config
 
-    cfg = JobConfig()
+    cfg = load_config(None, settings)
     cfg.model.flavor = model
     cfg.training.seq_len = seq
     cfg.training.local_batch_size = local_batch
@@ -90,9 +92,14 @@ def _local_batch(dp: int, pp: int, local_batch: int | None, global_batch: int | 
     return lb
 
 
-def _layout_config(model: str, seq: int, lb: int, degrees: dict, gpus: int, ac: tuple, compile_: bool, float8: bool):
-    """The dry-run config of a layout with an AC mode (`(mode, selective option)`)."""
-    cfg = base_config(model, seq, lb)
+def _layout_config(
+    model: str, seq: int, lb: int, degrees: dict, gpus: int, ac: tuple, compile_: bool, float8: bool, stack: Stack
+):
+    """The dry-run config of a layout with an AC mode (`(mode, selective option)`), as the software
+    of `stack` configures it by default."""
+    from core.dryrun.stack import config_settings
+
+    cfg = base_config(model, seq, lb, config_settings(dataclasses.asdict(stack)))
     p = cfg.parallelism
     p.dp_shard, p.tp, p.pp, p.cp, p.world_size = degrees["dp_shard"], degrees["tp"], degrees["pp"], degrees["cp"], gpus
     p.pp_schedule, p.pp_microbatches = "1F1B", (degrees["pp"] if degrees["pp"] > 1 else 0)
@@ -129,7 +136,7 @@ def _cheapest_ac(
     from core.validate import validate
 
     def at(ac) -> Candidate | None:
-        cfg = _layout_config(model, seq, lb, degrees, gpus, ac, compile_, float8)
+        cfg = _layout_config(model, seq, lb, degrees, gpus, ac, compile_, float8, stack)
         try:
             validate(cfg, check_files=False)
         except ConfigError:

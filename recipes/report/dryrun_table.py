@@ -19,6 +19,8 @@ from core.dryrun.accuracy import text as band_text
 from core.dryrun.gpuspec import SpecError, load_spec
 from core.dryrun.memory import ALLOCATOR_GAP_GIB, PAPER_GPU_GIB
 from core.dryrun.record import predicted_record
+from core.dryrun.software import parse as parse_software
+from core.dryrun.stack import stack_of
 from core.fileio import atomic_path, atomic_write, atomic_write_json
 from recipes import launcher, paths, registry
 from recipes.options import check_writable, out_dir_option, refuse
@@ -315,14 +317,15 @@ def _validate(out_dir: Path) -> None:
     click.echo(f"error band: {perf_validation.accuracy.text()}")
 
 
-def _run_all(records_dir: Path, fake: bool, gpu: str | None) -> None:
-    """Every row's dry-run as `run-recipe run --mode dry-run` makes it: a run folder with job.json
-    and result.json (launcher.run_dry), copied atomically into <records_dir>/dry-run/."""
+def _run_all(records_dir: Path, fake: bool, gpu: str | None, software: str | None) -> None:
+    """Every row's dry-run as `run-recipe run --mode dry-run [--software S]` makes it: a run folder
+    with job.json and result.json (launcher.run_dry), copied atomically into <records_dir>/dry-run/."""
+    settings = parse_software(software).settings() if software else []  # as DryRunMode.resolve
     for r in registry.all_recipes():
-        cfg = registry.resolve_config(r, "dry-run")
+        cfg = registry.resolve_config(r, "dry-run", settings)
         run_dir = run_folder.make(r.fname, None, False, paths.default_runs_dir())
         run_folder.write_job(cfg, run_dir)
-        rec = launcher.run_dry(cfg, run_dir, gpu, fake=fake)
+        rec = launcher.run_dry(cfg, run_dir, gpu, fake=fake, software=software)
         compliance.file_record(run_dir / "result.json", records_dir, "dry-run", r.fname)
         click.echo(f"{r.id}: {rec['estimated_peak_gib']:.1f} GiB, composes {rec['composes']}, {rec['dry_run_s']} s")
 
@@ -340,7 +343,9 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
             if rec.get("config")
             else registry.resolve_config(registry.get(rec["recipe"]), "dry-run")
         )
-        rec["predicted"] = predicted_record(cfg, **gpu_kw)
+        # for the software the record names (core/dryrun/software.py), else this trainer's
+        stack = (rec.get("software") or {}).get("stack")
+        rec["predicted"] = predicted_record(cfg, **gpu_kw, **({"stack": stack_of(stack)} if stack else {}))
         atomic_write_json(path, rec, default=str)
 
 
@@ -362,6 +367,12 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
 )
 @click.option("--gpu", default=None, help="GPU spec for --all / --predict (default: the paper's).")
 @click.option(
+    "--software",
+    default=None,
+    help="With --all: the software the predictions speak for, as `run --mode dry-run --software` "
+    "(e.g. date=2024-09, the paper's; default: this trainer's). --predict keeps each record's own.",
+)
+@click.option(
     "--calibrate", is_flag=True, help="Refit the model's fitted constants on their named public figures and print them."
 )
 @click.option(
@@ -370,7 +381,7 @@ def _refresh_predictions(dest: Path, gpu_kw: dict) -> None:
     help="Predict every public figure (recipes/report/perf_figures.toml and the rows' references): "
     "perf_validation.{csv,md} and the error band the predictions print.",
 )
-def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, validate):
+def main(records_dir, out_dir, run_all, no_fake, predict, gpu, software, calibrate, validate):
     """results/dry_run.csv and .md from the dry-run records (--all first runs every row's dry-run)."""
     records_dir = Path(records_dir) if records_dir else paths.default_records_dir()
     out_dir = Path(out_dir) if out_dir else paths.results_root()
@@ -379,6 +390,11 @@ def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, valida
             load_spec(gpu)
         except SpecError as e:
             refuse(f"error: --gpu: {e}")
+    if software is not None:
+        try:
+            parse_software(software)
+        except ValueError as e:
+            refuse(f"error: {e}")
     check_writable("--out", out_dir)
     if calibrate:
         _calibrate()
@@ -387,7 +403,7 @@ def main(records_dir, out_dir, run_all, no_fake, predict, gpu, calibrate, valida
         _validate(out_dir)
     dest = records_dir / "dry-run"
     if run_all:
-        _run_all(records_dir, not no_fake, gpu)
+        _run_all(records_dir, not no_fake, gpu, software)
     if predict:
         _refresh_predictions(dest, {"gpu": gpu} if gpu else {})
     records = records_from_dir(records_dir)

@@ -23,6 +23,7 @@ from tabulate import tabulate
 
 from core.dryrun import accuracy, calibrate
 from core.dryrun.gpuspec import DEFAULT_GPU
+from core.dryrun.stack import config_settings
 from core.fileio import atomic_write
 from recipes import registry
 from recipes.report.validation_parts import (
@@ -136,7 +137,7 @@ def figures() -> list[Figure]:
         out[-1].software, out[-1].stack = _software_and_stack(f["source"], f.get("stack", {}))
     fitted = set(calibrate.fitted_figures())
     for f in out:
-        f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", software_settings(f.stack, f.overrides))
+        f.cfg = registry.resolve_config(registry.get(f.row), "dry-run", config_settings(f.stack, f.overrides))
         # A fit on a figure fits every figure of the same configuration on the same GPU.
         f.fitted = any(g.id in fitted and _same_run(f, g) for g in out)
     return out
@@ -151,15 +152,6 @@ def _software_and_stack(source: str, own: dict) -> tuple:
     src = data()["sources"][source]
     sw = of_source(src["software"])
     return sw, dataclasses.asdict(stack_with(sw, {**src.get("stack", {}), **own}))
-
-
-def software_settings(stack: dict, overrides: tuple[str, ...]) -> list[str]:
-    """The figure's settings, after those its software's defaults differ by from this trainer's
-    (core/dryrun/stack.py: the AdamW kernels of torchtitan before PR 881)."""
-    names = {o.split("=", 1)[0] for o in overrides}
-    if stack.get("adamw_foreach") and "optimizer.implementation" not in names:
-        return ['optimizer.implementation="foreach"', *overrides]
-    return list(overrides)
 
 
 def fit_targets() -> dict[str, tuple[object, float, object]]:

@@ -136,6 +136,15 @@ def _band(preds: list[dict]) -> str:
     return "; ".join(bands) if bands else accuracy.text()
 
 
+def _software(df: pd.DataFrame, records: dict) -> str:
+    """The software the rows' predictions speak for, as their records name it."""
+    recs = [records.get((rid, "dry-run")) for rid in df["recipe"]]
+    texts = [(rec.get("software") or {}).get("text") for rec in recs if predicted_part(rec)]
+    named = sorted({t for t in texts if t})
+    unnamed = "software not named (a record older than core/dryrun/software.py)"
+    return "; ".join(named + ([unnamed] if None in texts or "" in texts else []))
+
+
 def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig: str | None) -> list[str]:
     """The short list under a compact table: the GPU spec and calibration of the predictions,
     the mode, hardware, versions and notes of our records, the recipe ids and the figure."""
@@ -149,8 +158,8 @@ def provenance_lines(df: pd.DataFrame, recipes: list[Recipe], records: dict, fig
         lines.append(
             f"- **predicted** ({n_pred} of {n} rows): the performance model (`core/dryrun/runtime.py`) "
             f"on the GPU spec {', '.join(f'`{g}`' for g in gpus)} (`core/dryrun/hardware/`), from "
-            "each row's dry-run record; `TPS error %` and `mem error %` are against the paper. "
-            f"The model's measured error band: {_band(preds)}."
+            f"each row's dry-run record, for {_software(df, records)}; `TPS error %` and `mem error %` are "
+            f"against the paper. The model's measured error band: {_band(preds)}."
         )
         cal = [
             f"{row} ({const})"
