@@ -314,12 +314,11 @@ class DryRunMode(RowMode):
             )
 
     def resolve(self, recipe: Recipe, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-        """--software's config (torchtitan's AdamW before PR 881: foreach) <- `--set`."""
-        if self.options.software is not None:
-            from core.dryrun.software import parse
+        """--software's config defaults (torchtitan's AdamW before PR 881: foreach) <- `--set`."""
+        from core.dryrun.software import parse
 
-            overrides = parse(self.options.software).settings(overrides)
-        return super().resolve(recipe, overrides)
+        defaults = parse(self.options.software).settings() if self.options.software is not None else []
+        return registry.resolve_config(recipe, self.name, overrides, check_files=self.check_files, defaults=defaults)
 
     def run_elsewhere(self, row: Row) -> bool:
         click.echo(self.banner(row))

@@ -209,12 +209,18 @@ CLI_OWNED_KEYS = {
 
 
 def resolve_config(
-    recipe: Recipe, mode: Mode, overrides: list[str] | tuple[str, ...] = (), check_files: bool = False
+    recipe: Recipe,
+    mode: Mode,
+    overrides: list[str] | tuple[str, ...] = (),
+    check_files: bool = False,
+    defaults: list[str] | tuple[str, ...] = (),
 ) -> JobConfig:
-    """Recipe overlay for the mode <- `--set` overrides, validated (ConfigError names the key);
-    `job.deviations` lists the keys where the overrides change the row."""
+    """Recipe overlay for the mode <- `defaults` <- `--set` overrides, validated (ConfigError names
+    the key); `job.deviations` lists the keys where the overrides change the row. `defaults`: where
+    another software's defaults differ (a dry-run's --software, core/dryrun/stack.py
+    config_settings): the row as that software runs it, not a deviation."""
     cfg = recipe.job_config(mode)
-    for text in overrides:
+    for text in [*defaults, *overrides]:
         section, key, value = parse_override(text)
         owner = CLI_OWNED_KEYS.get(f"{section}.{key}")
         if owner:
@@ -223,17 +229,19 @@ def resolve_config(
     _resolve_paths(cfg)
     cfg = validate(cfg, check_files=check_files)
     if overrides:  # the keys where this run is not the row as published (into its record)
-        cfg.job.deviations = deviations(recipe, mode, cfg.to_dict())
+        cfg.job.deviations = deviations(recipe, mode, cfg.to_dict(), defaults=defaults)
     return cfg
 
 
-def deviations(recipe: Recipe, mode: Mode, config: dict, assets: dict | None = None) -> list[str]:
+def deviations(
+    recipe: Recipe, mode: Mode, config: dict, assets: dict | None = None, defaults: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     """The keys where `config` (a resolved config as a dict, e.g. a record's) differs from the
     row's configuration for `mode`, in the config's key order. Where a run lives (its folder, the
     assets' paths) is not compared: an asset path counts when it names another file than the
     row's, told by which project asset it is (`assets`: a record's own names for them, read where
-    the paths are another machine's; else looked up here)."""
-    canonical = flatten_keys(resolve_config(recipe, mode).to_dict())
+    the paths are another machine's; else looked up here). `defaults`: as resolve_config's."""
+    canonical = flatten_keys(resolve_config(recipe, mode, defaults=defaults).to_dict())
     # a key the record lacks came after it: it ran as the key's default does (keys are added so)
     ours = {**flatten_keys(JobConfig().to_dict()), **flatten_keys(config)}
     keys = list(canonical) + [k for k in ours if k not in canonical]

@@ -186,6 +186,12 @@ def test_the_tables_records_name_the_software_their_predictions_speak_for(tmp_pa
     rec = json.loads(path.read_text())
     assert rec["software"]["text"].startswith("torchtitan of 2024-09")
     assert rec["config"]["optimizer"]["implementation"] == "foreach" and not rec["software"]["stack"]["cudnn_attention"]
+    from recipes.report import compliance  # the row as that software runs it: no deviation
+
+    assert rec["config"]["job"]["deviations"] == []
+    assert not [r for r in compliance.check_file(path).reasons if r.startswith("config")]
+    rec_fused = {**rec, "software": {**rec["software"], "stack": {}}}  # the same config, claimed as ours
+    assert any("optimizer.implementation" in r for r in compliance.check(rec_fused, path).reasons)
     before = rec["predicted"]["tokens_per_sec_per_gpu"]
     rec["predicted"] = {}
     path.write_text(json.dumps(rec))

@@ -19,6 +19,7 @@ from core.config import flatten_keys
 from core.data.verify import HUB_C4, project_asset
 from core.data.verify import PINNED as PINNED_ASSETS
 from core.dryrun.gpuspec import DEFAULT_GPU
+from core.dryrun.stack import config_settings
 from core.errors import ConfigError
 from core.provenance import config_fingerprint
 from core.versions import PINNED as PINNED_VERSIONS
@@ -73,7 +74,9 @@ def check(rec: dict, path: Path, filed: bool = True) -> Verdict:
             "from): run the row again"
         )
         return v
-    _check_config(v, recipe, rec["mode"], config, prov)
+    # a dry-run for another software: the row as that software configures it by default
+    defaults = config_settings(((rec.get("software") or {}).get("stack")) or {})
+    _check_config(v, recipe, rec["mode"], config, prov, defaults)
     _check_code(v, rec.get("versions") or {})
     if rec["mode"] in RAN:
         _check_run(v, config, rec)
@@ -84,12 +87,12 @@ def check(rec: dict, path: Path, filed: bool = True) -> Verdict:
     return v
 
 
-def _check_config(v: Verdict, recipe: Recipe, mode: str, config: dict, prov: dict) -> None:
+def _check_config(v: Verdict, recipe: Recipe, mode: str, config: dict, prov: dict, defaults: list[str]) -> None:
     if prov.get("config_fingerprint") != config_fingerprint(config):
         v.reasons.append("config: the configuration does not match the record's fingerprint (edited after the run)")
     try:
-        keys = registry.deviations(recipe, mode, config, prov.get("assets"))
-        canonical = flatten_keys(registry.resolve_config(recipe, mode).to_dict())
+        keys = registry.deviations(recipe, mode, config, prov.get("assets"), defaults)
+        canonical = flatten_keys(registry.resolve_config(recipe, mode, defaults=defaults).to_dict())
     except ConfigError as e:
         v.reasons.append(f"config: the row's {mode} configuration cannot be resolved: {e}")
         return

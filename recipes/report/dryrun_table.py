@@ -322,7 +322,7 @@ def _run_all(records_dir: Path, fake: bool, gpu: str | None, software: str | Non
     with job.json and result.json (launcher.run_dry), copied atomically into <records_dir>/dry-run/."""
     settings = parse_software(software).settings() if software else []  # as DryRunMode.resolve
     for r in registry.all_recipes():
-        cfg = registry.resolve_config(r, "dry-run", settings)
+        cfg = registry.resolve_config(r, "dry-run", defaults=settings)
         run_dir = run_folder.make(r.fname, None, False, paths.default_runs_dir())
         run_folder.write_job(cfg, run_dir)
         rec = launcher.run_dry(cfg, run_dir, gpu, fake=fake, software=software)
