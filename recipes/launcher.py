@@ -164,3 +164,24 @@ def run_dry(
     record.setdefault("finished_at", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     atomic_write_json(run_dir / "result.json", record, default=str)
     return record
+
+
+def dry_run_summary(record: dict) -> list[str]:
+    """What a dry-run answers, in the lines `run-recipe run --mode dry-run` ends with: memory per
+    rank and whether it fits, then the predicted throughput with its error band."""
+    fits = "fits" if record.get("fits_gpu") else "does NOT fit"
+    lines = [
+        f"memory: {record.get('estimated_peak_memory_gib', 0):.2f} GiB per rank at its peak (estimated reserved; "
+        f"allocated {record.get('allocated_peak_gib', 0):.2f}); the GPU holds "
+        f"{record.get('gpu_capacity_gib', 0):.0f} GiB: {fits}"
+    ]
+    p = record.get("predicted") or {}
+    if p.get("tokens_per_sec_per_gpu") is not None:
+        lines.append(
+            f"predicted on {p.get('gpu')}: {p['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU, MFU {p.get('mfu', 0):.1%}, "
+            f"step {p.get('step_time_s', 0):.3f} s; error band {p.get('error_band', 'not known')}"
+        )
+    sw = record.get("software") or {}
+    if sw.get("text"):
+        lines.append(f"software: the prediction stands for {sw['text']} (core/dryrun/software.py; --software)")
+    return lines

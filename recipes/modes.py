@@ -323,7 +323,6 @@ class DryRunMode(RowMode):
     def run_elsewhere(self, row: Row) -> bool:
         click.echo(self.banner(row))
         from core.dryrun.gemm import NoGemmRate
-        from core.dryrun.record import summary_lines
 
         try:
             launcher.run_dry(row.cfg, row.run_dir, self.options.gpu, software=self.options.software)
@@ -333,7 +332,7 @@ class DryRunMode(RowMode):
             raise RowRefused(f"error: {row.recipe.id}: {e}") from None
         result = row.run_dir / "result.json"
         dest = self.record(result, row.recipe, self.options.records)
-        for line in summary_lines(json.loads(result.read_text())):
+        for line in launcher.dry_run_summary(json.loads(result.read_text())):
             click.echo(f"  {line}")
         click.echo(f"record: {result}" + (f" -> {dest}" if dest else ""))
         return True
